@@ -1,0 +1,20 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+.PHONY: test demo bench venv lint clean
+
+VENV_PY := .venv/bin/python
+
+venv:
+	@scripts/ensure-venv.sh
+
+test: venv
+	@scripts/ensure-prometheus.sh
+	$(VENV_PY) -m pytest -q
+
+demo: venv
+	$(VENV_PY) examples/demo.py
+
+bench: venv
+	$(VENV_PY) benchmarks/run.py
+
+clean:
+	rm -rf .venv .pytest_cache build *.egg-info

@@ -1,0 +1,5 @@
+import sys
+
+from kvcompose.cli import main
+
+sys.exit(main())

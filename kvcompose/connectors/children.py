@@ -1,0 +1,190 @@
+"""Building the named children of a pipeline through vLLM's KVConnectorFactory."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from kvcompose.config import ChildConfig, Pipeline, load_pipeline
+from kvcompose.metrics.native import class_path
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+PIPELINE_KEY = "pipeline"
+
+
+class ChildStartupError(RuntimeError):
+    """A child connector could not be built; names the child and the cause."""
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """Everything about a child that is known before it is constructed."""
+
+    index: int
+    config: ChildConfig
+    connector_cls: type[KVConnectorBase_V1]
+    vllm_config: VllmConfig
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def class_name(self) -> str:
+        return self.connector_cls.__name__
+
+
+def pipeline_from_vllm_config(vllm_config: VllmConfig) -> Pipeline:
+    """Read the pipeline named by ``kv_connector_extra_config["pipeline"]``."""
+    ktc = vllm_config.kv_transfer_config
+    extra = ktc.kv_connector_extra_config if ktc is not None else {}
+    return pipeline_from_extra_config(extra)
+
+
+def pipeline_from_extra_config(extra_config: Mapping[str, Any]) -> Pipeline:
+    source = extra_config.get(PIPELINE_KEY)
+    if source is None:
+        raise ValueError(
+            'KVComposeConnector needs kv_connector_extra_config={"pipeline": <file path or mapping>}; '
+            "`kvcompose render PIPELINE.yaml` prints a complete --kv-transfer-config"
+        )
+    return load_pipeline(source)
+
+
+def child_transfer_config(pipeline: Pipeline, child: ChildConfig, parent: KVTransferConfig | None) -> KVTransferConfig:
+    """The child's own KVTransferConfig, as MultiConnector builds one per child."""
+    fields: dict[str, Any] = {
+        "engine_id": parent.engine_id if parent is not None else None,
+        **child.transfer,
+        "kv_connector": child.connector,
+        "kv_connector_module_path": child.module_path,
+        "kv_role": pipeline.child_role(child),
+        "kv_connector_extra_config": dict(child.config),
+    }
+    return KVTransferConfig(**fields)
+
+
+def child_specs(vllm_config: VllmConfig, pipeline: Pipeline) -> list[ChildSpec]:
+    """Resolve every child's class and config without constructing it."""
+    specs = []
+    for index, child in enumerate(pipeline.children):
+        connector_cls, transfer_config = _resolve(pipeline, index, vllm_config.kv_transfer_config)
+        child_vllm_config = copy.copy(vllm_config)
+        child_vllm_config.kv_transfer_config = transfer_config
+        specs.append(ChildSpec(index, child, connector_cls, child_vllm_config))
+    return specs
+
+
+def child_classes(pipeline: Pipeline) -> list[type[KVConnectorBase_V1]]:
+    """Every child's connector class, for class-level hooks that get no VllmConfig."""
+    return [_resolve(pipeline, index, None)[0] for index in range(len(pipeline.children))]
+
+
+def _resolve(
+    pipeline: Pipeline, index: int, parent: KVTransferConfig | None
+) -> tuple[type[KVConnectorBase_V1], KVTransferConfig]:
+    child = pipeline.children[index]
+    try:
+        ktc = child_transfer_config(pipeline, child, parent)
+        return KVConnectorFactory.get_connector_class(ktc), ktc
+    except Exception as error:
+        raise ChildStartupError(_describe_failure(child, index, error)) from error
+
+
+def construct_child(spec: ChildSpec, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> KVConnectorBase_V1:
+    try:
+        return spec.connector_cls(spec.vllm_config, role, kv_cache_config)
+    except Exception as error:
+        raise ChildStartupError(_describe_failure(spec.config, spec.index, error)) from error
+
+
+def _describe_failure(child: ChildConfig, index: int, error: Exception) -> str:
+    where = f" from {child.module_path}" if child.module_path else ""
+    return (
+        f"kvcompose: child {child.name!r} (children[{index}], {child.connector}{where}) failed to start: "
+        f"{type(error).__name__}: {error}"
+    )
+
+
+CallWrapper = Callable[[ChildSpec, str, Callable[..., Any]], Callable[..., Any]]
+
+
+# Every child method the composite calls. Each is reached as ``child.<name>``,
+# so observability (timing, spans) and error isolation can wrap any of them
+# once, at start-up, without touching the forwarding logic.
+CHILD_OPERATIONS: tuple[str, ...] = (
+    # scheduler side
+    "get_num_new_matched_tokens",
+    "get_external_cache_hit_sources",
+    "get_loaded_kv_cache_group_ids",
+    "update_state_after_alloc",
+    "on_new_request",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "register_finished_partial_tail",
+    "take_events",
+    "has_pending_block_frees",
+    "has_pending_push_work",
+    "bind_kv_cache_manager",
+    "bind_gpu_block_pool",
+    "set_xfer_handshake_metadata",
+    "set_xfer_handshake_metadata_pp_aware",
+    "reset_cache",
+    "get_kv_connector_stats",
+    # worker side
+    "register_kv_caches",
+    "set_host_xfer_buffer_ops",
+    "get_mem_pool_context",
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "finish_forward",
+    "reset_capture_state",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_finished_count",
+    "get_handshake_metadata",
+    "build_connector_worker_meta",
+    # both
+    "shutdown",
+)
+
+
+class Child:
+    """A constructed child connector and the calls the composite makes into it.
+
+    ``child.<operation>(...)`` is the child's bound method, or that method
+    wrapped once by the ``wrap`` hook. Operations the child's class does not
+    define (``request_finished_all_groups`` without HMA) are absent.
+    """
+
+    def __init__(self, spec: ChildSpec, connector: KVConnectorBase_V1, wrap: CallWrapper | None = None) -> None:
+        self.spec = spec
+        self.connector = connector
+        self.name = spec.name
+        self.index = spec.index
+        self.load = spec.config.load
+        self.save = spec.config.save
+        self.class_path = class_path(spec.connector_cls)
+        for operation in CHILD_OPERATIONS:
+            method = getattr(connector, operation, None)
+            if method is not None:
+                setattr(self, operation, wrap(spec, operation, method) if wrap else method)
+
+    def __getattr__(self, operation: str) -> Callable[..., Any]:  # only reached for absent operations
+        raise AttributeError(f"child {self.name!r} ({self.spec.class_name}) has no operation {operation!r}")

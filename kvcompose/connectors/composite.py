@@ -1,0 +1,413 @@
+"""KVComposeConnector: vLLM's MultiConnector semantics over named children.
+
+Load from one child (chosen by the pipeline's load policy; ``first_match`` is
+MultiConnector's rule), save to every child with ``save: true``, and forward or
+aggregate every other method of ``KVConnectorBase_V1`` the way MultiConnector
+does. This module holds the forwarding logic only: every call into a child
+goes through ``child.<operation>``, which observability wraps elsewhere.
+
+Deliberately not forwarded:
+- ``get_kv_connector_kv_cache_events``: MultiConnector does not aggregate it
+  either (each child's event type differs); children's events still reach vLLM
+  through ``take_events``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    CopyBlocksOp,
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+    supports_hma,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvcompose.connectors.children import (
+    Child,
+    ChildSpec,
+    child_classes,
+    child_specs,
+    construct_child,
+    pipeline_from_extra_config,
+    pipeline_from_vllm_config,
+)
+from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata
+from kvcompose.connectors.policies import POLICIES
+from kvcompose.metrics.native import NativeStats
+from kvcompose.metrics.stats import KVComposeStats
+
+logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.request import Request
+
+
+class KVComposeConnector(KVConnectorBase_V1):
+    """A KV connector made of the named children of a kvcompose pipeline."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.pipeline = pipeline_from_vllm_config(vllm_config)
+        self.children = [
+            Child(spec, construct_child(spec, role, kv_cache_config), self._wrap_child_call)
+            for spec in child_specs(vllm_config, self.pipeline)
+        ]
+        self._loaders = tuple(c for c in self.children if c.load)
+        self._savers = tuple(c for c in self.children if c.save)
+        self._choose_loader = POLICIES[self.pipeline.load.policy]
+        self._check_hma(vllm_config)
+        # request id -> index of the child chosen to load it.
+        self._loading_child: dict[str, int] = {}
+        # request id -> async saves beyond the first still to finish (scheduler
+        # side until the next metadata is built, then worker side).
+        self._extra_async_saves: dict[str, int] = {}
+
+    def _wrap_child_call(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        """Hook for observability and error isolation; identity here."""
+        return call
+
+    def _check_hma(self, vllm_config: VllmConfig) -> None:
+        hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+        if hma_enabled and not all(supports_hma(c.connector) for c in self.children):
+            plain = [c.name for c in self.children if not supports_hma(c.connector)]
+            raise ValueError(
+                f"kvcompose: the hybrid KV cache manager is enabled but children {plain} do not support it; "
+                "run vLLM with --disable-hybrid-kv-cache-manager"
+            )
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return all(c.connector.supports_divergent_local_hybrid_hits for c in self.children)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return any(c.connector.requires_kv_delivery for c in self.children)
+
+    # ==============================
+    # Worker-side methods
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for child in self.children:
+            child.register_kv_caches(kv_caches)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        for child in self.children:
+            child.set_host_xfer_buffer_ops(copy_operation)
+
+    def get_mem_pool_context(self) -> AbstractContextManager | None:
+        """At most one child may own the KV cache memory pool."""
+        pools = [(c.name, ctx) for c in self.children if (ctx := c.get_mem_pool_context()) is not None]
+        if len(pools) > 1:
+            raise ValueError(
+                f"kvcompose: children {[name for name, _ in pools]} each provide a KV cache memory pool; "
+                "the KV cache lives in one pool, so configure a custom pool on one child only"
+            )
+        return pools[0][1] if pools else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(connector_metadata, KVComposeMetadata)
+        if connector_metadata.extra_async_saves:
+            self._extra_async_saves.update(connector_metadata.extra_async_saves)
+        for child, metadata in zip(self.children, connector_metadata.per_child, strict=True):
+            child.bind_connector_metadata(metadata)
+        super().bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        for child in self.children:
+            child.clear_connector_metadata()
+        super().clear_connector_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVComposeMetadata)
+        for child, metadata in zip(self.children, kv_connector_metadata.per_child, strict=True):
+            child.handle_preemptions(metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        for child in self._loaders:
+            child.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        for child in self._loaders:
+            child.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        for child in self._savers:
+            child.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        for child in self._savers:
+            child.wait_for_save()
+
+    def finish_forward(self) -> None:
+        for child in self.children:
+            child.finish_forward()
+
+    def reset_capture_state(self) -> None:
+        for child in self.children:
+            child.reset_capture_state()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Union of the children's results; a request counts as sent once its
+        last async saver reports it."""
+        results = KVConnectorTransferResults()
+        for child in self.children:
+            child_results = child.get_transfer_results(finished_req_ids)
+            results.finished_recving |= child_results.finished_recving
+            results.failed_recving |= child_results.failed_recving
+            for req_id in child_results.finished_sending:
+                if self._one_async_save_done(req_id):
+                    results.finished_sending.add(req_id)
+        return results
+
+    def _one_async_save_done(self, req_id: str) -> bool:
+        """Count one child's finished save; True when it was the last one owed."""
+        still_owed = self._extra_async_saves.get(req_id)
+        if still_owed is None:
+            return True
+        if still_owed == 1:
+            del self._extra_async_saves[req_id]
+        else:
+            self._extra_async_saves[req_id] = still_owed - 1
+        return False
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed: set[int] = set()
+        for child in self.children:
+            failed |= child.get_block_ids_with_load_errors()
+        return failed
+
+    def get_finished_count(self) -> int | None:
+        counts = [child.get_finished_count() for child in self.children]
+        if any(count is None for count in counts):
+            return None
+        distinct = set(counts)
+        if len(distinct) > 1:
+            raise ValueError(f"kvcompose: children report incompatible finished counts {sorted(distinct)}")
+        return next(iter(distinct), None)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """The first child's handshake metadata that is not None."""
+        for child in self.children:
+            if (metadata := child.get_handshake_metadata()) is not None:
+                return metadata
+        return None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        per_child = tuple(child.build_connector_worker_meta() for child in self.children)
+        if all(metadata is None for metadata in per_child):
+            return None
+        return KVComposeWorkerMetadata(per_child=per_child)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        stats = KVComposeStats()
+        for child in self.children:
+            if (child_stats := child.get_kv_connector_stats()) is not None:
+                stats.native[child.name] = NativeStats(child.class_path, child_stats)
+        return stats if stats.native else None
+
+    # ==============================
+    # Scheduler-side methods
+    # ==============================
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        for child in self.children:
+            child.bind_kv_cache_manager(kv_cache_manager)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        for child in self.children:
+            child.bind_gpu_block_pool(gpu_block_pool)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        choice = self._choose_loader(
+            self._loaders, lambda child: child.get_num_new_matched_tokens(request, num_computed_tokens)
+        )
+        if choice.num_tokens is None:
+            return None, False
+        if choice.child_index is None:
+            self._loading_child.pop(request.request_id, None)
+        else:
+            self._loading_child[request.request_id] = choice.child_index
+        return choice.num_tokens, choice.load_async
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        index = self._loading_child.get(request.request_id)
+        if index is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return self.children[index].get_external_cache_hit_sources(request, num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return self.children[self._loading_child[request.request_id]].get_loaded_kv_cache_group_ids(request)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """The loading child gets the external token count; every other child
+        gets the request's real blocks with 0 external tokens."""
+        loading = self._loading_child.get(request.request_id)
+        for child in self.children:
+            child.update_state_after_alloc(request, blocks, num_external_tokens if child.index == loading else 0)
+
+    def on_new_request(self, request: Request) -> None:
+        for child in self.children:
+            child.on_new_request(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVComposeMetadata:
+        metadata = KVComposeMetadata(
+            per_child=tuple(child.build_connector_meta(scheduler_output) for child in self.children)
+        )
+        if self._extra_async_saves:
+            metadata.extra_async_saves, self._extra_async_saves = self._extra_async_saves, {}
+        return metadata
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Each child sees its own worker metadata in ``kv_connector_worker_meta``."""
+        composite_meta = connector_output.kv_connector_worker_meta
+        assert composite_meta is None or isinstance(composite_meta, KVComposeWorkerMetadata)
+        try:
+            for child in self.children:
+                if composite_meta is not None:
+                    connector_output.kv_connector_worker_meta = composite_meta.per_child[child.index]
+                child.update_connector_output(connector_output)
+        finally:
+            connector_output.kv_connector_worker_meta = composite_meta
+
+    def request_finished(self, request: Request, blocks: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._finish_request(request, lambda child: child.request_finished(request, blocks))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """HMA variant of ``request_finished`` (only called when every child supports HMA)."""
+        return self._finish_request(request, lambda child: child.request_finished_all_groups(request, block_ids))
+
+    def _finish_request(
+        self, request: Request, finish: Callable[[Child], tuple[bool, dict[str, Any] | None]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Ask every child; merge their kv_transfer_params (a key clash is an
+        error) and count async saves so the request is reported sent once."""
+        async_saves = 0
+        params: dict[str, Any] | None = None
+        for child in self.children:
+            saves_async, child_params = finish(child)
+            async_saves += bool(saves_async)
+            if child_params is not None:
+                if params is None:
+                    params = child_params
+                elif clashes := params.keys() & child_params.keys():
+                    raise RuntimeError(
+                        f"kvcompose: child {child.name!r} returns kv_transfer_params keys {sorted(clashes)} "
+                        "that an earlier child already set"
+                    )
+                else:
+                    params.update(child_params)
+        if async_saves > 1:
+            self._extra_async_saves[request.request_id] = async_saves - 1
+        self._loading_child.pop(request.request_id, None)
+        return async_saves > 0, params
+
+    def register_finished_partial_tail(
+        self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]
+    ) -> bool:
+        accepted = [
+            child.register_finished_partial_tail(request, block_ids, partial_tail_offloads) for child in self.children
+        ]
+        return any(accepted)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        for child in self.children:
+            yield from child.take_events()
+
+    def has_pending_block_frees(self) -> bool:
+        return any(child.has_pending_block_frees() for child in self.children)
+
+    def has_pending_push_work(self) -> bool:
+        return any(child.has_pending_push_work() for child in self.children)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        for child in self.children:
+            child.set_xfer_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        for child in self.children:
+            child.set_xfer_handshake_metadata_pp_aware(metadata)
+
+    def reset_cache(self) -> bool:
+        results = [child.reset_cache() is not False for child in self.children]
+        return all(results)
+
+    def shutdown(self) -> None:
+        """Shut every child down, then re-raise the last failure, if any."""
+        failure: Exception | None = None
+        for child in self.children:
+            try:
+                child.shutdown()
+            except Exception as error:
+                logger.exception("kvcompose: child %r failed to shut down", child.name)
+                failure = error
+        if failure is not None:
+            raise failure
+
+    # ==============================
+    # Class-level hooks (no instance; read the pipeline from the config)
+    # ==============================
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        specs = child_specs(vllm_config, pipeline_from_vllm_config(vllm_config))
+        layouts = {
+            spec.name: layout
+            for spec in specs
+            if (layout := spec.connector_cls.get_required_kvcache_layout(spec.vllm_config)) is not None
+        }
+        if len(set(layouts.values())) > 1:
+            raise ValueError(f"kvcompose: children need different KV cache layouts {layouts}; they must agree")
+        return next(iter(layouts.values()), None)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        pipeline = pipeline_from_extra_config(extra_config)
+        return any(
+            child_cls.requires_piecewise_for_cudagraph(child.config)
+            for child_cls, child in zip(child_classes(pipeline), pipeline.children, strict=True)
+        )
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVComposeStats() if data is None else KVComposeStats.from_payload(data)
+
+
+class KVComposeHMAConnector(KVComposeConnector, SupportsHMA):
+    """KVComposeConnector for the hybrid KV cache manager (HMA).
+
+    vLLM decides HMA support from the connector class, before any child
+    exists; use this class name when every child supports HMA. Start-up
+    fails with a clear message if one does not.
+    """

@@ -1,0 +1,50 @@
+"""The one error type a pipeline file can raise, with field paths and lines."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+FieldPath = tuple[str | int, ...]
+
+
+def format_path(path: FieldPath) -> str:
+    """Render ``("children", 1, "connector")`` as ``children[1].connector``."""
+    text = ""
+    for part in path:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a pipeline: where it is and what to do about it."""
+
+    path: FieldPath
+    message: str
+    line: int | None = None
+
+    def describe(self, source: str | None = None) -> str:
+        prefix = source or ""
+        if self.line is not None:
+            prefix = f"{prefix}:{self.line}" if prefix else f"line {self.line}"
+        parts = [prefix] if prefix else []
+        if self.path:
+            parts.append(format_path(self.path))
+        return ": ".join([*parts, self.message])
+
+
+class PipelineConfigError(Exception):
+    """A pipeline file or mapping that kvcompose cannot use.
+
+    ``problems`` lists every problem found, each naming its field path and,
+    for files, its line. ``str(error)`` gives one line per problem.
+    """
+
+    def __init__(self, problems: Sequence[Problem], source: str | None = None) -> None:
+        self.problems = tuple(problems)
+        self.source = source
+        super().__init__("\n".join(p.describe(source) for p in self.problems))

@@ -1,0 +1,1 @@
+"""Per-child stats (vLLM's KVConnectorStats) and their Prometheus metrics."""
