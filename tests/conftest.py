@@ -1,0 +1,49 @@
+"""Shared fixtures: the tiny local model and base vLLM configs, built once."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Keep vLLM quiet and off the network in every test process.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from kvcompose.testing.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def base_vllm_config(tiny_model: Path) -> Any:
+    """A real VllmConfig for the tiny model, with a connector so HMA is off."""
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
+
+    return VllmConfig(
+        model_config=ModelConfig(model=str(tiny_model), dtype="float32", max_model_len=512),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config={}
+        ),
+    )
+
+
+@pytest.fixture(scope="session")
+def vllm_config_with(base_vllm_config: Any) -> Callable[[dict[str, Any]], Any]:
+    """Build a VllmConfig whose kv_transfer_config is the given mapping."""
+    from vllm.config import KVTransferConfig
+
+    def build(kv_transfer: dict[str, Any]) -> Any:
+        config = copy.copy(base_vllm_config)
+        config.kv_transfer_config = KVTransferConfig(**kv_transfer)
+        return config
+
+    return build

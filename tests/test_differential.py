@@ -1,0 +1,320 @@
+"""KVComposeConnector against vLLM's own MultiConnector, call by call.
+
+Each scenario drives a scheduler-side and a worker-side instance of both
+connectors, over the same scripted RecordingConnector children, and asserts
+identical return values and identical per-child call logs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from kvcompose.testing import recording
+
+RECORDING = {"connector": "RecordingConnector", "module_path": "kvcompose.testing.recording"}
+
+
+def _request(request_id: str) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id, list(range(64)), SamplingParams(max_tokens=4), None)
+
+
+def _blocks(*block_ids: int) -> Any:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(([KVCacheBlock(i) for i in block_ids],))
+
+
+@dataclass
+class Side:
+    scheduler: Any
+    worker: Any
+
+
+def _build(kind: str, scripts: dict[str, dict[str, Any]], vllm_config_with: Callable, policy: str) -> Side:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from kvcompose.connectors import KVComposeConnector
+
+    sides = {}
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        def extra(name: str) -> dict[str, Any]:
+            key = f"{kind}/{role.name}/{name}"
+            recording.CALL_LOGS.pop(key, None)
+            return {"log": key, "script": scripts[name]}
+
+        if kind == "multi":
+            children = [
+                {"kv_connector": RECORDING["connector"], "kv_connector_module_path": RECORDING["module_path"],
+                 "kv_role": "kv_both", "kv_connector_extra_config": extra(name)}
+                for name in scripts
+            ]
+            config = vllm_config_with(
+                {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"connectors": children}}
+            )
+            sides[role] = MultiConnector(config, role, None)
+        else:
+            pipeline = {"version": 1, "name": "diff", "load": {"policy": policy},
+                        "children": [{"name": name, **RECORDING, "config": extra(name)} for name in scripts]}
+            config = vllm_config_with(
+                {"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
+                 "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}}
+            )
+            sides[role] = KVComposeConnector(config, role, None)
+    return Side(sides[KVConnectorRole.SCHEDULER], sides[KVConnectorRole.WORKER])
+
+
+def _normalize(value: Any) -> Any:
+    """Comparable form of a connector's return value (containers differ by class)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    if isinstance(value, KVConnectorTransferResults):
+        return ("results", sorted(value.finished_sending), sorted(value.finished_recving), sorted(value.failed_recving))
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    if hasattr(value, "per_child"):  # KVComposeWorkerMetadata
+        return ("worker_meta", tuple(_normalize(m) for m in value.per_child))
+    if type(value).__name__ == "MultiKVConnectorWorkerMetadata":
+        return ("worker_meta", tuple(_normalize(m) for m in value.metadata))
+    if isinstance(value, recording.RecordingWorkerMetadata):
+        return ("count", value.count)
+    if isinstance(value, tuple):
+        return tuple(_normalize(v) for v in value)
+    return value
+
+
+def _run(scenario: Callable[[Side], list[Any]], side: Side) -> list[Any]:
+    return [_normalize(v) for v in scenario(side)]
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as error:  # the scenario compares failures too
+        return ("raised", type(error).__name__)
+
+
+def _logs(kind: str, names: list[str]) -> dict[str, list[tuple[Any, ...]]]:
+    return {
+        f"{role}/{name}": recording.CALL_LOGS[f"{kind}/{role}/{name}"]
+        for role in ("SCHEDULER", "WORKER")
+        for name in names
+    }
+
+
+def assert_same_as_multiconnector(
+    scripts: dict[str, dict[str, Any]], scenario: Callable[[Side], list[Any]], vllm_config_with: Callable
+) -> list[Any]:
+    multi = _run(scenario, _build("multi", scripts, vllm_config_with, "first_match"))
+    compose = _run(scenario, _build("compose", scripts, vllm_config_with, "first_match"))
+    assert compose == multi
+    assert _logs("compose", list(scripts)) == _logs("multi", list(scripts))
+    assert any(_logs("compose", list(scripts)).values()), "scenario recorded no child call"
+    return compose
+
+
+def _step(side: Side, finished: set[str], layers: int = 2) -> list[Any]:
+    """One engine step: metadata to the worker, layer loads and saves, results."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    out: list[Any] = []
+    metadata = side.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    side.worker.bind_connector_metadata(metadata)
+    side.worker.start_load_kv(None)
+    for layer in range(layers):
+        side.worker.wait_for_layer_load(f"layer.{layer}")
+        side.worker.save_kv_layer(f"layer.{layer}", None, None)
+    side.worker.wait_for_save()
+    out.append(side.worker.get_transfer_results(finished))
+    out.append(side.worker.get_block_ids_with_load_errors())
+    out.append(side.worker.build_connector_worker_meta())
+    side.worker.clear_connector_metadata()
+    return out
+
+
+def test_first_match_loads_from_first_child_with_tokens(vllm_config_with: Callable) -> None:
+    scripts = {
+        "a": {"matches": {"r1": [[0, False]], "r2": [[0, False]]}},
+        "b": {"matches": {"r1": [[16, False]], "r2": [[0, False]]}},
+        "c": {"matches": {"r1": [[32, True]], "r2": [[0, False]]}},
+    }
+
+    def scenario(side: Side) -> list[Any]:
+        r1, r2 = _request("r1"), _request("r2")
+        out = [side.scheduler.get_num_new_matched_tokens(r1, 0), side.scheduler.get_num_new_matched_tokens(r2, 8)]
+        side.scheduler.update_state_after_alloc(r1, _blocks(1, 2), 16)
+        side.scheduler.update_state_after_alloc(r2, _blocks(3), 0)
+        out.append(side.scheduler.get_external_cache_hit_sources(r1, 16))
+        out += _step(side, set())
+        out.append(side.scheduler.request_finished(r1, [1, 2]))
+        out.append(side.scheduler.request_finished(r2, [3]))
+        return out
+
+    out = assert_same_as_multiconnector(scripts, scenario, vllm_config_with)
+    assert out[0] == (16, False) and out[1] == (0, False)
+
+
+def test_none_answer_means_still_looking(vllm_config_with: Callable) -> None:
+    scripts = {
+        "a": {"matches": {"r1": [[16, False]]}},
+        "b": {"matches": {"r1": [[None, False], [0, False]]}},
+        "c": {"matches": {"r1": [[32, False]]}},
+    }
+
+    def scenario(side: Side) -> list[Any]:
+        r1 = _request("r1")
+        out = [side.scheduler.get_num_new_matched_tokens(r1, 0), side.scheduler.get_num_new_matched_tokens(r1, 0)]
+        side.scheduler.update_state_after_alloc(r1, _blocks(4, 5), out[-1][0])
+        return out
+
+    out = assert_same_as_multiconnector(scripts, scenario, vllm_config_with)
+    assert out == [(None, False), (16, False)]
+
+
+def test_several_async_savers_finish_once(vllm_config_with: Callable) -> None:
+    scripts = {
+        "a": {"async_saves": ["r1", "r2"], "finished_sending": [["r1"], [], ["r2"]]},
+        "b": {"async_saves": ["r1"], "finished_sending": [[], ["r1"]]},
+        "c": {"async_saves": ["r1", "r2"], "finished_sending": [[], [], [], ["r1", "r2"]]},
+    }
+
+    def scenario(side: Side) -> list[Any]:
+        r1, r2 = _request("r1"), _request("r2")
+        out = [side.scheduler.get_num_new_matched_tokens(r, 0) for r in (r1, r2)]
+        out += [side.scheduler.request_finished(r1, [1]), side.scheduler.request_finished(r2, [2])]
+        for _ in range(5):
+            out += _step(side, {"r1", "r2"}, layers=1)
+        return out
+
+    out = assert_same_as_multiconnector(scripts, scenario, vllm_config_with)
+    sent = [v for v in out if isinstance(v, tuple) and v and v[0] == "results"]
+    assert [s[1] for s in sent] == [[], [], [], ["r1", "r2"], []]
+
+
+def test_transfer_results_load_errors_handshake_and_worker_meta(vllm_config_with: Callable) -> None:
+    scripts = {
+        "a": {"finished_recving": [["r1"]], "load_errors": [7, 9], "worker_meta": True},
+        "b": {"failed_recving": [["r3"]], "finished_recving": [["r3"]], "load_errors": [9, 11], "handshake": "b"},
+        "c": {"handshake": "c", "worker_meta": True},
+    }
+
+    def scenario(side: Side) -> list[Any]:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        out = _step(side, {"r1"})
+        out.append(side.worker.get_handshake_metadata().value)
+        out.append(side.worker.get_finished(set()))
+        side.worker.register_kv_caches({"layer.0": None, "layer.1": None})
+        side.scheduler.set_xfer_handshake_metadata({0: None, 1: None})
+        worker_meta = side.worker.build_connector_worker_meta()
+        output = KVConnectorOutput(kv_connector_worker_meta=worker_meta)
+        side.scheduler.update_connector_output(output)
+        out.append(output.kv_connector_worker_meta is worker_meta)
+        out.append(side.scheduler.has_pending_block_frees())
+        out.append(list(side.scheduler.take_events()))
+        return out
+
+    out = assert_same_as_multiconnector(scripts, scenario, vllm_config_with)
+    assert out[0] == ("results", [], ["r1", "r3"], ["r3"])
+    assert out[1] == [7, 9, 11] and out[3] == "b" and out[4] == (None, None)
+
+
+def test_kv_transfer_params_merge_and_key_clash(vllm_config_with: Callable) -> None:
+    scripts = {
+        "a": {"params": {"r1": {"remote_host": "h"}, "r2": {"x": 1}}},
+        "b": {"params": {"r1": {"remote_port": 1}, "r2": {"x": 2}}},
+    }
+
+    def scenario(side: Side) -> list[Any]:
+        return [
+            side.scheduler.request_finished(_request("r1"), [1]),
+            _call(side.scheduler.request_finished, _request("r2"), [2]),
+        ]
+
+    out = assert_same_as_multiconnector(scripts, scenario, vllm_config_with)
+    assert out[0] == (False, {"remote_host": "h", "remote_port": 1})
+    assert out[1] == ("raised", "RuntimeError")
+
+
+def test_reset_cache_and_shutdown_reraise(vllm_config_with: Callable) -> None:
+    scripts = {"a": {"reset_cache": False, "fail_shutdown": True}, "b": {"reset_cache": None}}
+
+    def scenario(side: Side) -> list[Any]:
+        return [side.scheduler.reset_cache(), _call(side.worker.shutdown)]
+
+    out = assert_same_as_multiconnector(scripts, scenario, vllm_config_with)
+    assert out == [False, ("raised", "RuntimeError")]
+
+
+def test_longest_match_prefers_more_tokens_ties_to_order(vllm_config_with: Callable) -> None:
+    scripts = {
+        "a": {"matches": {"r1": [[16, False]], "r2": [[32, False]]}},
+        "b": {"matches": {"r1": [[48, True]], "r2": [[32, True]]}},
+    }
+    side = _build("compose", scripts, vllm_config_with, "longest_match")
+    r1, r2 = _request("r1"), _request("r2")
+    assert side.scheduler.get_num_new_matched_tokens(r1, 0) == (48, True)
+    assert side.scheduler.get_num_new_matched_tokens(r2, 0) == (32, False)
+    side.scheduler.update_state_after_alloc(r1, _blocks(1), 48)
+    side.scheduler.update_state_after_alloc(r2, _blocks(2), 32)
+    logs = _logs("compose", ["a", "b"])
+    assert ("update_state_after_alloc", "r1", (1,), 48) in logs["SCHEDULER/b"]
+    assert ("update_state_after_alloc", "r1", (1,), 0) in logs["SCHEDULER/a"]
+    assert ("update_state_after_alloc", "r2", (2,), 32) in logs["SCHEDULER/a"]
+
+
+def test_load_and_save_flags_limit_which_children_are_asked(vllm_config_with: Callable) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvcompose.connectors import KVComposeConnector
+
+    keys = {name: f"flags/{name}" for name in ("loader", "saver")}
+    for key in keys.values():
+        recording.CALL_LOGS.pop(key, None)
+    pipeline = {
+        "version": 1, "name": "flags",
+        "children": [
+            {"name": "loader", **RECORDING, "save": False,
+             "config": {"log": keys["loader"], "script": {"matches": {"r1": [[16, False]]}}}},
+            {"name": "saver", **RECORDING, "load": False,
+             "config": {"log": keys["saver"], "script": {"matches": {"r1": [[64, False]]}}}},
+        ],
+    }
+    config = vllm_config_with({"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
+                               "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
+    scheduler = KVComposeConnector(config, KVConnectorRole.SCHEDULER, None)
+    worker = KVComposeConnector(config, KVConnectorRole.WORKER, None)
+    assert scheduler.get_num_new_matched_tokens(_request("r1"), 0) == (16, False)
+    _step(Side(scheduler, worker), set())
+    loader_ops = {entry[0] for entry in recording.CALL_LOGS[keys["loader"]]}
+    saver_ops = {entry[0] for entry in recording.CALL_LOGS[keys["saver"]]}
+    assert "save_kv_layer" not in loader_ops and "wait_for_save" not in loader_ops
+    assert {"wait_for_layer_load", "start_load_kv"} <= loader_ops
+    assert "get_num_new_matched_tokens" not in saver_ops and "wait_for_layer_load" not in saver_ops
+    assert {"save_kv_layer", "wait_for_save", "build_connector_meta"} <= saver_ops
+
+
+@pytest.mark.parametrize("bad", ["child_module", "child_class"])
+def test_child_that_cannot_start_is_named(vllm_config_with: Callable, bad: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvcompose.connectors import KVComposeConnector
+    from kvcompose.connectors.children import ChildStartupError
+
+    child = {"name": "broken", "connector": "RecordingConnector",
+             "module_path": "no_such_module_kvc" if bad == "child_module" else "kvcompose.testing.recording",
+             "config": {} if bad == "child_class" else {"log": "x"}}
+    pipeline = {"version": 1, "name": "bad", "children": [child]}
+    config = vllm_config_with({"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
+                               "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
+    with pytest.raises(ChildStartupError, match=r"child 'broken' \(children\[0\], RecordingConnector"):
+        KVComposeConnector(config, KVConnectorRole.SCHEDULER, None)
