@@ -47,3 +47,13 @@ def vllm_config_with(base_vllm_config: Any) -> Callable[[dict[str, Any]], Any]:
         return config
 
     return build
+
+
+@pytest.fixture(scope="session")
+def plain_llm(tiny_model: Path) -> Any:
+    """An engine without any connector: the reference output."""
+    from .engine_support import start_llm
+
+    llm = start_llm(tiny_model)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()

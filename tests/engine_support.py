@@ -1,0 +1,44 @@
+"""Starting real vLLM engines on the CPU for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+ENGINE_ARGS: dict[str, Any] = {
+    "enforce_eager": True,
+    "dtype": "float32",
+    "max_model_len": 512,
+    "enable_prefix_caching": False,  # repeated prompts must reach the connector
+    "seed": 0,
+}
+
+
+def start_llm(model: Path, kv_transfer_config: dict[str, Any] | None = None, **overrides: Any) -> Any:
+    os.environ.update(ENGINE_ENV)
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    args = {**ENGINE_ARGS, **overrides}
+    if kv_transfer_config is not None:
+        args["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
+    return LLM(model=str(model), **args)
+
+
+def greedy(max_tokens: int = 8) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def generate(llm: Any, prompts: list[str], max_tokens: int = 8) -> list[tuple[list[int], int]]:
+    """Token ids and the number of prompt tokens served from cache, per prompt."""
+    outputs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outputs]
