@@ -57,3 +57,25 @@ def plain_llm(tiny_model: Path) -> Any:
     llm = start_llm(tiny_model)
     yield llm
     llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def served_pipeline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`vllm serve` with examples/pipeline.yaml, its two stores under a temp dir.
+
+    The --kv-transfer-config is exactly what `kvcompose render` prints.
+    """
+    import subprocess
+    import sys
+
+    from .server_support import start_server
+
+    root = tmp_path_factory.mktemp("served")
+    env = {"KVCOMPOSE_HOT": str(root / "hot"), "KVCOMPOSE_COLD": str(root / "cold")}
+    pipeline = Path(__file__).resolve().parents[1] / "examples" / "pipeline.yaml"
+    rendered = subprocess.run([sys.executable, "-m", "kvcompose", "render", str(pipeline)],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    server = start_server(tiny_model, rendered, root / "server.log", env=env)
+    server.stores = {"hot": root / "hot", "cold": root / "cold"}  # type: ignore[attr-defined]
+    yield server
+    server.stop()
