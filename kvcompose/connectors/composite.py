@@ -31,7 +31,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
     supports_hma,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvcompose.connectors.children import (
@@ -46,7 +51,9 @@ from kvcompose.connectors.children import (
 from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata
 from kvcompose.connectors.policies import POLICIES
 from kvcompose.metrics.native import NativeStats
-from kvcompose.metrics.stats import KVComposeStats
+from kvcompose.metrics.prometheus import KVComposePromMetrics
+from kvcompose.metrics.recorder import PipelineRecorder
+from kvcompose.metrics.stats import CHILDREN_KEY, KVComposeStats
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +76,11 @@ class KVComposeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.pipeline = pipeline_from_vllm_config(vllm_config)
+        self._recorder = PipelineRecorder(
+            self.pipeline.metrics.enabled,
+            self.pipeline.metrics.latency_buckets,
+            [child.name for child in self.pipeline.children],
+        )
         self.children = [
             Child(spec, construct_child(spec, role, kv_cache_config), self._wrap_child_call)
             for spec in child_specs(vllm_config, self.pipeline)
@@ -84,8 +96,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._extra_async_saves: dict[str, int] = {}
 
     def _wrap_child_call(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        """Hook for observability and error isolation; identity here."""
-        return call
+        """Where observability wraps each child operation, once, at start-up."""
+        return self._recorder.wrap(spec.name, operation, call)
 
     def _check_hma(self, vllm_config: VllmConfig) -> None:
         hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
@@ -227,11 +239,12 @@ class KVComposeConnector(KVConnectorBase_V1):
         return KVComposeWorkerMetadata(per_child=per_child)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        stats = KVComposeStats()
+        """kvcompose's per-child call stats plus each child's own stats, since the last call."""
+        stats = KVComposeStats(data={CHILDREN_KEY: self._recorder.take()})
         for child in self.children:
             if (child_stats := child.get_kv_connector_stats()) is not None:
                 stats.native[child.name] = NativeStats(child.class_path, child_stats)
-        return stats if stats.native else None
+        return None if stats.is_empty() else stats
 
     # ==============================
     # Scheduler-side methods
@@ -398,6 +411,20 @@ class KVComposeConnector(KVConnectorBase_V1):
             child_cls.requires_piecewise_for_cudagraph(child.config)
             for child_cls, child in zip(child_classes(pipeline), pipeline.children, strict=True)
         )
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        pipeline = pipeline_from_vllm_config(vllm_config)
+        if not pipeline.metrics.enabled:
+            return None
+        specs = child_specs(vllm_config, pipeline)
+        return KVComposePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, pipeline, specs)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

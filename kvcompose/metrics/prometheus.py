@@ -1,0 +1,145 @@
+"""Prometheus metrics for a pipeline, built through vLLM's KVConnectorPromMetrics.
+
+vLLM calls ``build_prom_metrics`` in the front-end with its own metric types
+(Ray swaps them) and label names (model_name, engine); kvcompose adds a
+``connector`` label holding the child's pipeline name.
+
+Children's own metrics are built once per child class with an extra
+``connector`` label. Each (engine, child) pair gets its own synthetic engine
+index, so two children of one class no longer register the same series
+twice (vLLM issue 39906) and stay apart on the dashboard.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+from kvcompose.metrics.native import NativeStats
+from kvcompose.metrics.stats import CHILDREN_KEY, NATIVE_KEY
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from kvcompose.config import Pipeline
+    from kvcompose.connectors.children import ChildSpec
+
+CONNECTOR_LABEL = "connector"
+
+
+class KVComposePromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        pipeline: Pipeline,
+        specs: list[ChildSpec],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        names = [*labelnames, CONNECTOR_LABEL]
+        self.duration = self._histogram_cls(
+            "kvcompose_call_duration_seconds",
+            "Latency of kvcompose's calls into each child connector, by operation.",
+            labelnames=[*names, "op"],
+            buckets=list(pipeline.metrics.latency_buckets),
+        )
+        self.errors = self._counter_cls(
+            "kvcompose_call_errors_total",
+            "Calls into a child connector that raised, by operation and exception type.",
+            labelnames=[*names, "op", "error_type"],
+        )
+        self.lookups = self._counter_cls(
+            "kvcompose_lookups_total",
+            "Lookups (get_num_new_matched_tokens) answered by each child, by result.",
+            labelnames=[*names, "result"],
+        )
+        self.matched_tokens = self._counter_cls(
+            "kvcompose_matched_tokens_total", "Tokens each child reported it holds for a request.", labelnames=names
+        )
+        self.loaded_tokens = self._counter_cls(
+            "kvcompose_loaded_tokens_total", "Tokens each child was chosen to load.", labelnames=names
+        )
+        self.load_error_blocks = self._counter_cls(
+            "kvcompose_load_error_blocks_total",
+            "Blocks each child failed to load (vLLM recomputes them).",
+            labelnames=names,
+        )
+        info = self._gauge_cls(
+            "kvcompose_pipeline_info",
+            "The pipeline's children: 1 per child, with its position and class.",
+            labelnames=[*labelnames, "pipeline", CONNECTOR_LABEL, "connector_class", "position"],
+            multiprocess_mode="mostrecent",
+        )
+        for engine_labels in per_engine_labelvalues.values():
+            for spec in specs:
+                info.labels(*engine_labels, pipeline.name, spec.name, spec.class_name, str(spec.index)).set(1)
+        self._native = _NativeChildMetrics(metric_types, labelnames, per_engine_labelvalues, specs)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine_labels = self.per_engine_labelvalues[engine_idx]
+        for child, payload in transfer_stats_data.get(CHILDREN_KEY, {}).items():
+            labels = [*engine_labels, child]
+            for op, histogram in payload["ops"].items():
+                series = self.duration.labels(*labels, op)
+                # Each bucket's mean lies inside the bucket: replaying it n times
+                # gives Prometheus the exact bucket counts and the exact sum.
+                for count, total in zip(histogram["n"], histogram["s"], strict=True):
+                    for _ in range(count):
+                        series.observe(total / count)
+            for op, by_type in payload["errors"].items():
+                for error_type, count in by_type.items():
+                    self.errors.labels(*labels, op, error_type).inc(count)
+            counters = payload["counters"]
+            _inc(self.lookups.labels(*labels, "hit"), counters["lookup_hits"])
+            _inc(self.lookups.labels(*labels, "miss"), counters["lookup_misses"])
+            _inc(self.matched_tokens.labels(*labels), counters["matched_tokens"])
+            _inc(self.loaded_tokens.labels(*labels), counters["loaded_tokens"])
+            _inc(self.load_error_blocks.labels(*labels), counters["load_error_blocks"])
+        for child, entry in transfer_stats_data.get(NATIVE_KEY, {}).items():
+            self._native.observe(child, entry, engine_idx)
+
+
+def _inc(series: Any, amount: int) -> None:
+    if amount:
+        series.inc(amount)
+
+
+class _NativeChildMetrics:
+    """Children's own KVConnectorPromMetrics, one per class, told apart by ``connector``."""
+
+    def __init__(
+        self,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        specs: list[ChildSpec],
+    ) -> None:
+        self._slot: dict[tuple[int, str], int] = {}  # (engine, child) -> synthetic engine index
+        self._by_child: dict[str, KVConnectorPromMetrics] = {}
+        by_class: dict[type, list[ChildSpec]] = {}
+        for spec in specs:
+            by_class.setdefault(spec.connector_cls, []).append(spec)
+        for connector_cls, class_specs in by_class.items():
+            labelvalues: dict[int, list[object]] = {}
+            for engine_idx, engine_labels in per_engine_labelvalues.items():
+                for spec in class_specs:
+                    slot = len(self._slot)
+                    self._slot[(engine_idx, spec.name)] = slot
+                    labelvalues[slot] = [*engine_labels, spec.name]
+            built = connector_cls.build_prom_metrics(
+                class_specs[0].vllm_config, metric_types, [*labelnames, CONNECTOR_LABEL], labelvalues
+            )
+            if built is not None:
+                for spec in class_specs:
+                    self._by_child[spec.name] = built
+
+    def observe(self, child: str, entry: Any, engine_idx: int) -> None:
+        metrics = self._by_child.get(child)
+        if metrics is None:
+            return
+        stats = NativeStats.from_payload(entry)
+        if stats is not None:
+            metrics.observe(stats.stats.to_dict(), self._slot[(engine_idx, child)])
