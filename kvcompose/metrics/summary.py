@@ -1,0 +1,50 @@
+"""A per-child summary of kvcompose's series in a Prometheus exposition."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvcompose.metrics.histogram import quantile
+
+
+@dataclass
+class ChildSummary:
+    lookups: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # result -> count
+    matched_tokens: float = 0.0
+    loaded_tokens: float = 0.0
+    # op -> cumulative bucket counts by upper bound ("+Inf" last)
+    latency_buckets: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(dict))
+
+    def latency(self, op: str, q: float) -> float | None:
+        bounds = sorted(self.latency_buckets[op])
+        cumulative = [self.latency_buckets[op][b] for b in bounds]
+        counts = [int(b - a) for a, b in zip([0.0, *cumulative], cumulative, strict=False)]
+        return quantile([b for b in bounds if b != float("inf")], counts, q)
+
+    def calls(self, op: str) -> int:
+        return int(max(self.latency_buckets[op].values(), default=0))
+
+
+def summarize(exposition: str) -> dict[str, ChildSummary]:
+    """Sum kvcompose's series over engines and models, per child (``connector``)."""
+    children: dict[str, ChildSummary] = defaultdict(ChildSummary)
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            child = sample.labels.get("connector")
+            if child is None or not sample.name.startswith("kvcompose_"):
+                continue
+            row = children[child]
+            if sample.name == "kvcompose_lookups_total":
+                row.lookups[sample.labels["result"]] += sample.value
+            elif sample.name == "kvcompose_matched_tokens_total":
+                row.matched_tokens += sample.value
+            elif sample.name == "kvcompose_loaded_tokens_total":
+                row.loaded_tokens += sample.value
+            elif sample.name == "kvcompose_call_duration_seconds_bucket":
+                buckets = row.latency_buckets[sample.labels["op"]]
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return dict(children)
