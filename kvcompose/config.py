@@ -100,6 +100,11 @@ class MetricsSection(_Section):
     """Per-child stats and Prometheus metrics."""
 
     enabled: bool = True
+    per_layer: bool = Field(
+        False,
+        description="Also time save_kv_layer and wait_for_layer_load (once per layer per step: costs about "
+        "1 us per call and child). Off, the step-level start_load_kv and wait_for_save are timed.",
+    )
     latency_buckets: tuple[float, ...] = Field(
         DEFAULT_LATENCY_BUCKETS, description="Upper bounds (seconds) of the latency histogram buckets."
     )

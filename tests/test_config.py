@@ -39,6 +39,7 @@ tracing:
   granularity: step
 metrics:
   enabled: false
+  per_layer: true
   latency_buckets: [0.001, 0.01, 0.1]
 logging: {format: json, level: DEBUG}
 """
@@ -69,7 +70,7 @@ def test_every_field_is_read(tmp_path: Path) -> None:
     t = p.tracing
     assert (t.enabled, t.service_name, t.exporter, t.endpoint, t.sample_ratio, t.granularity) == (
         True, "svc", "console", "http://127.0.0.1:4318/v1/traces", 0.25, "step")
-    assert (p.metrics.enabled, p.metrics.latency_buckets) == (False, (0.001, 0.01, 0.1))
+    assert (p.metrics.enabled, p.metrics.per_layer, p.metrics.latency_buckets) == (False, True, (0.001, 0.01, 0.1))
     assert (p.logging.format, p.logging.level) == ("json", "DEBUG")
 
 

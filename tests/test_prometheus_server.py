@@ -85,7 +85,7 @@ def test_promql_over_scraped_series_matches_the_exposition(served_pipeline: Any,
     assert ratio["hot"] > 0  # the repeated prompt was served by the first child
 
     p90 = query(prometheus, "histogram_quantile(0.9, sum by (le, connector) "
-                            '(kvcompose_call_duration_seconds_bucket{op="save_kv_layer"}))')
+                            '(kvcompose_call_duration_seconds_bucket{op="start_load_kv"}))')
     for child, row in exposition.items():
-        assert p90[child] == pytest.approx(row.latency("save_kv_layer", 0.9))
+        assert p90[child] == pytest.approx(row.latency("start_load_kv", 0.9))
         assert p90[child] > 0

@@ -89,7 +89,7 @@ class Failing(Exception):
 
 
 def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
-    recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"])
+    recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"], per_layer=True)
     lookup = recorder.wrap("hot", "get_num_new_matched_tokens", lambda request, n: (n, False))
     alloc = recorder.wrap("hot", "update_state_after_alloc", lambda request, blocks, n: None)
     errors = recorder.wrap("hot", "get_block_ids_with_load_errors", lambda: {3, 4})
@@ -115,7 +115,7 @@ def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
 
 def test_payload_size_is_bounded_whatever_the_traffic() -> None:
     def size_after(calls: int) -> int:
-        recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, list(CHILDREN))
+        recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, list(CHILDREN), per_layer=True)
         save = {c: recorder.wrap(c, "save_kv_layer", lambda *a: None) for c in CHILDREN}
         for i in range(calls):
             save[CHILDREN[i % 3]](f"layer.{i}", None, None)
@@ -131,6 +131,13 @@ def _leaves(value: Any) -> int:
     if isinstance(value, list):
         return sum(_leaves(v) for v in value)
     return 1
+
+
+def test_per_layer_operations_are_timed_only_on_request() -> None:
+    call = lambda *args: None  # noqa: E731
+    assert PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"]).wrap("hot", "save_kv_layer", call) is call
+    assert PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"], per_layer=True).wrap(
+        "hot", "save_kv_layer", call) is not call
 
 
 def test_metrics_off_wraps_nothing() -> None:

@@ -80,6 +80,7 @@ class KVComposeConnector(KVConnectorBase_V1):
             self.pipeline.metrics.enabled,
             self.pipeline.metrics.latency_buckets,
             [child.name for child in self.pipeline.children],
+            per_layer=self.pipeline.metrics.per_layer,
         )
         self.children = [
             Child(spec, construct_child(spec, role, kv_cache_config), self._wrap_child_call)
@@ -87,6 +88,9 @@ class KVComposeConnector(KVConnectorBase_V1):
         ]
         self._loaders = tuple(c for c in self.children if c.load)
         self._savers = tuple(c for c in self.children if c.save)
+        # Called once per layer per step: bound once here, not looked up per call.
+        self._layer_loads = tuple(c.wait_for_layer_load for c in self._loaders)
+        self._layer_saves = tuple(c.save_kv_layer for c in self._savers)
         self._choose_loader = POLICIES[self.pipeline.load.policy]
         self._check_hma(vllm_config)
         # request id -> index of the child chosen to load it.
@@ -161,14 +165,14 @@ class KVComposeConnector(KVConnectorBase_V1):
             child.start_load_kv(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        for child in self._loaders:
-            child.wait_for_layer_load(layer_name)
+        for wait_for_layer_load in self._layer_loads:
+            wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        for child in self._savers:
-            child.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        for save_kv_layer in self._layer_saves:
+            save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self) -> None:
         for child in self._savers:
