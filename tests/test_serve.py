@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import time
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ def test_completions_save_to_both_and_load_on_repeat(served_pipeline: Any, plain
 
     expected = plain_llm.generate([PROMPT], greedy(), use_tqdm=False)[0].outputs[0].text
     server = served_pipeline
+    before = _settled_summary(server)
     first = server.complete(PROMPT)["choices"][0]["text"]
     assert first == expected
     hot, cold = server.stores["hot"], server.stores["cold"]
@@ -40,43 +43,43 @@ def test_completions_save_to_both_and_load_on_repeat(served_pipeline: Any, plain
     assert server.complete(PROMPT)["choices"][0]["text"] == expected
     assert _external_hits(server.metrics()) > hits_after_hot
 
+    # Per child: hot missed, hit, missed (wiped); cold missed, then hit twice.
+    after = _settled_summary(server, lambda s: s["cold"].lookups["hit"] - before["cold"].lookups["hit"] >= 2)
+    delta = {c: {r: after[c].lookups[r] - before[c].lookups[r] for r in ("hit", "miss")} for c in ("hot", "cold")}
+    assert delta == {"hot": {"hit": 1, "miss": 2}, "cold": {"hit": 2, "miss": 1}}
+    loaded = {c: after[c].loaded_tokens - before[c].loaded_tokens for c in ("hot", "cold")}
+    assert loaded["hot"] == loaded["cold"] > 0
+    for child in ("hot", "cold"):
+        assert after[child].calls("lookup") - before[child].calls("lookup") == 3
+        assert after[child].calls("wait_for_save") > before[child].calls("wait_for_save")
+        assert "save_kv_layer" not in after[child].latency_buckets  # per-layer timing is opt-in
 
-def _samples(metrics: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    from prometheus_client.parser import text_string_to_metric_families
 
-    found = {}
-    for family in text_string_to_metric_families(metrics):
-        for sample in family.samples:
-            if sample.name == name:
-                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine")))
-                found[labels] = sample.value
-    return found
+def _settled_summary(server: Any, done: Any = None) -> Any:
+    """kvcompose's series per child, once the last step's stats have arrived."""
+    from collections import defaultdict
 
-
-def test_metrics_show_each_child(served_pipeline: Any) -> None:
-    """After the completions above: hot served one load, cold one (and saw two hits)."""
-    import subprocess
-    import time
+    from kvcompose.metrics.summary import ChildSummary, summarize
 
     deadline = time.monotonic() + 20
     while True:
-        metrics = served_pipeline.metrics()
-        lookups = _samples(metrics, "kvcompose_lookups_total")
-        if lookups.get((("connector", "cold"), ("result", "hit")), 0) >= 2 or time.monotonic() > deadline:
-            break
+        summary = defaultdict(ChildSummary, summarize(server.metrics()))
+        if done is None or done(summary) or time.monotonic() > deadline:
+            return summary
         time.sleep(0.5)
-    assert lookups[(("connector", "hot"), ("result", "hit"))] == 1
-    assert lookups[(("connector", "hot"), ("result", "miss"))] == 2
-    assert lookups[(("connector", "cold"), ("result", "hit"))] == 2
-    assert lookups[(("connector", "cold"), ("result", "miss"))] == 1
-    loaded = _samples(metrics, "kvcompose_loaded_tokens_total")
-    assert loaded[(("connector", "hot"),)] == loaded[(("connector", "cold"),)] > 0
-    saves = _samples(metrics, "kvcompose_call_duration_seconds_count")
-    for child in ("hot", "cold"):
-        assert saves[(("connector", child), ("op", "wait_for_save"))] > 0
-        assert (("connector", child), ("op", "save_kv_layer")) not in saves  # per-layer timing is opt-in
-        assert saves[(("connector", child), ("op", "lookup"))] == 3
-    info = _samples(metrics, "kvcompose_pipeline_info")
+
+
+def test_pipeline_info_and_promtool_lint(served_pipeline: Any) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    served_pipeline.complete(PROMPT)
+    metrics = served_pipeline.metrics()
+    info = {
+        tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine"))): sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == "kvcompose_pipeline_info"
+    }
     assert info == {
         (("connector", "hot"), ("connector_class", "ExampleConnector"), ("pipeline", "hot-then-cold"),
          ("position", "0")): 1.0,
@@ -84,5 +87,6 @@ def test_metrics_show_each_child(served_pipeline: Any) -> None:
          ("position", "1")): 1.0,
     }
     ours = "\n".join(line for line in metrics.splitlines() if "kvcompose_" in line) + "\n"
+    assert "kvcompose_call_duration_seconds_bucket" in ours
     lint = subprocess.run(["promtool", "check", "metrics"], input=ours, capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
