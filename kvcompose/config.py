@@ -78,10 +78,6 @@ class ChildConfig(_Section):
                 raise ValueError(f"KVTransferConfig has no field {key!r}; allowed: {allowed}")
         return transfer
 
-    @property
-    def save_only(self) -> bool:
-        return self.save and not self.load
-
 
 class TracingSection(_Section):
     """OpenTelemetry spans around child calls."""
