@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,10 @@ class _StrictLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a list or mapping cannot be a key", key_node.start_mark
+                )
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark
@@ -40,21 +45,34 @@ def read_pipeline_source(path: Path) -> tuple[Any, LineMap, str]:
         raise PipelineConfigError([Problem((), "file is not readable (permission denied)")], label) from None
     except (OSError, UnicodeDecodeError) as error:
         raise PipelineConfigError([Problem((), f"cannot read file: {error}")], label) from None
-    loader = _StrictLoader(text)
     try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
+        data, lines = _parse(text)
+    except yaml.reader.ReaderError as error:  # a control character such as NUL
+        line = text.count("\n", 0, error.position) + 1
+        message = f"malformed YAML/JSON: character #x{error.character:04x} is not allowed in YAML"
+        raise PipelineConfigError([Problem((), message, line)], label) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
         reason = getattr(error, "problem", None) or str(error)
         raise PipelineConfigError([Problem((), f"malformed YAML/JSON: {reason}", line)], label) from None
+    except RecursionError:
+        message = "the document nests too deeply, or an alias (*name) refers to its own anchor (&name)"
+        raise PipelineConfigError([Problem((), message)], label) from None
+    return data, lines, label
+
+
+def _parse(text: str) -> tuple[Any, LineMap]:
+    loader = _StrictLoader(text)  # raises ReaderError for control characters
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
     finally:
         loader.dispose()
     lines: LineMap = {}
     if node is not None:
         _collect_lines(node, (), lines)
-    return data, lines, label
+    return data, lines
 
 
 def _collect_lines(node: yaml.Node, path: FieldPath, lines: LineMap) -> None:
