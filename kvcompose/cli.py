@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kvcompose.config import Pipeline, load_pipeline
+from kvcompose.dashboard import dashboard_json, provisioning_files
 from kvcompose.errors import PipelineConfigError
 from kvcompose.render import file_reference, kv_transfer_config
 from kvcompose.source import read_pipeline_source
@@ -42,6 +43,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     schema = commands.add_parser("schema", help="print the JSON Schema of pipeline files")
     schema.set_defaults(run=_schema)
+
+    dashboard = commands.add_parser("dashboard", help="print (or write) the Grafana dashboard JSON")
+    dashboard.add_argument("--pipeline", type=Path, help="lay out one row per child of this pipeline file")
+    dashboard.add_argument("--output", type=Path, help="write the dashboard to this file instead of stdout")
+    dashboard.add_argument("--provisioning", type=Path, metavar="DIR",
+                           help="also write Grafana provisioning files (datasource, dashboard provider) under DIR")
+    dashboard.set_defaults(run=_dashboard)
     return parser
 
 
@@ -60,6 +68,27 @@ def _render(args: argparse.Namespace) -> None:
 
 def _schema(args: argparse.Namespace) -> None:
     print(json.dumps(Pipeline.model_json_schema(), indent=2))
+
+
+def _dashboard(args: argparse.Namespace) -> None:
+    text = dashboard_json(load_pipeline(args.pipeline) if args.pipeline else None)
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        _write(args.output, text)
+    if args.provisioning is not None:
+        for relative, content in provisioning_files().items():
+            _write(args.provisioning / relative, content, make_parents=True)
+
+
+def _write(path: Path, text: str, make_parents: bool = False) -> None:
+    try:
+        if make_parents:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as error:
+        print(f"{path}: cannot write: {error.strerror}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,106 @@
+"""Panels as data, and their Grafana classic-dashboard JSON.
+
+Every panel and target names its datasource through the ``$datasource``
+template variable, never a uid, so the dashboard imports into any Grafana.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from string import ascii_uppercase
+from typing import Any, Literal
+
+from kvcompose.dashboard.queries import Query, Scope
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+
+
+@dataclass(frozen=True)
+class State:
+    """One value of a state panel: what it means and its colour."""
+
+    value: int
+    text: str
+    color: str
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    title: str
+    description: str
+    unit: str
+    queries: tuple[Query, ...]
+    kind: Literal["timeseries", "table", "state-timeline"] = "timeseries"
+    width: int = 12
+    height: int = 8
+    min: float | None = None
+    max: float | None = None
+    no_value: str | None = None  # shown instead of "No data" where no series is the normal case
+    columns: tuple[str, ...] = ()  # table: the labels to show, in order
+    states: tuple[State, ...] = ()  # state-timeline: value mappings
+
+
+def panel_json(spec: PanelSpec, panel_id: int, grid_pos: dict[str, int], scope: Scope) -> dict[str, Any]:
+    defaults: dict[str, Any] = {"unit": spec.unit}
+    for key, value in (("min", spec.min), ("max", spec.max), ("noValue", spec.no_value)):
+        if value is not None:
+            defaults[key] = value
+    if spec.states:
+        defaults["color"] = {"mode": "thresholds"}
+        defaults["mappings"] = [{"type": "value", "options": {
+            str(state.value): {"text": state.text, "color": state.color, "index": index}
+            for index, state in enumerate(spec.states)
+        }}]
+    panel: dict[str, Any] = {
+        "id": panel_id,
+        "type": spec.kind,
+        "title": spec.title,
+        "description": spec.description,
+        "datasource": DATASOURCE,
+        "gridPos": grid_pos,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": _options(spec),
+        "targets": [_target(query, ref_id, scope) for query, ref_id in zip(spec.queries, ascii_uppercase)],
+    }
+    if spec.columns:
+        panel["transformations"] = [{"id": "organize", "options": {
+            "excludeByName": {"Time": True, "Value": True},
+            "indexByName": {column: index for index, column in enumerate(spec.columns)},
+        }}]
+    return panel
+
+
+def row_json(title: str, panel_id: int, y: int, collapsed: bool, panels: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row; a collapsed one carries its panels, an expanded one is followed by them."""
+    return {
+        "id": panel_id,
+        "type": "row",
+        "title": title,
+        "collapsed": collapsed,
+        "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+        "panels": panels if collapsed else [],
+    }
+
+
+def _target(query: Query, ref_id: str, scope: Scope) -> dict[str, Any]:
+    return {
+        "refId": ref_id,
+        "datasource": DATASOURCE,
+        "editorMode": "code",
+        "expr": query.expr(scope),
+        "legendFormat": query.legend or "__auto",
+        "format": "table" if query.table else "time_series",
+        "instant": query.table,
+        "range": not query.table,
+    }
+
+
+def _options(spec: PanelSpec) -> dict[str, Any]:
+    legend = {"displayMode": "list", "placement": "bottom", "showLegend": True, "calcs": []}
+    tooltip = {"mode": "multi", "sort": "desc"}
+    if spec.kind == "table":
+        return {"showHeader": True, "cellHeight": "sm", "sortBy": [{"displayName": spec.columns[0], "desc": False}]}
+    if spec.kind == "state-timeline":
+        return {"mergeValues": True, "showValue": "auto", "alignValue": "left", "rowHeight": 0.9,
+                "legend": legend, "tooltip": tooltip}
+    return {"legend": legend, "tooltip": tooltip}

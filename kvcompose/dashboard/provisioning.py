@@ -1,0 +1,42 @@
+"""Grafana provisioning files: the Prometheus datasource and the dashboard provider.
+
+They fit examples/observability/docker-compose.yml (Prometheus reachable as
+``prometheus:9090``, the dashboards mounted at ``DASHBOARDS_PATH``); copy and
+edit them for another Grafana.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+PROMETHEUS_URL = "http://prometheus:9090"
+# Must equal scrape_interval in examples/observability/prometheus.yml:
+# Grafana's $__rate_interval is at least four of them.
+SCRAPE_INTERVAL = "5s"
+DASHBOARDS_PATH = "/var/lib/grafana/dashboards/kvcompose"
+HEADER = "# Written by `kvcompose dashboard --provisioning DIR`; regenerate rather than edit.\n"
+
+
+def provisioning_files() -> dict[str, str]:
+    """File contents by path relative to Grafana's provisioning directory."""
+    datasource = {"apiVersion": 1, "datasources": [{
+        "name": "Prometheus",
+        "type": "prometheus",
+        "access": "proxy",
+        "url": PROMETHEUS_URL,
+        "isDefault": True,
+        "jsonData": {"timeInterval": SCRAPE_INTERVAL},
+    }]}
+    provider = {"apiVersion": 1, "providers": [{
+        "name": "kvcompose",
+        "folder": "kvcompose",
+        "type": "file",
+        "disableDeletion": False,
+        "allowUiUpdates": False,
+        "updateIntervalSeconds": 30,
+        "options": {"path": DASHBOARDS_PATH},
+    }]}
+    return {
+        "datasources/kvcompose.yaml": HEADER + yaml.safe_dump(datasource, sort_keys=False),
+        "dashboards/kvcompose.yaml": HEADER + yaml.safe_dump(provider, sort_keys=False),
+    }
