@@ -15,21 +15,10 @@ import pytest
 
 from kvcompose.testing import recording
 
-RECORDING = {"connector": "RecordingConnector", "module_path": "kvcompose.testing.recording"}
+from .connector_support import RECORDING
+from .connector_support import make_blocks as _blocks
+from .connector_support import make_request as _request
 
-
-def _request(request_id: str) -> Any:
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    return Request(request_id, list(range(64)), SamplingParams(max_tokens=4), None)
-
-
-def _blocks(*block_ids: int) -> Any:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-    return KVCacheBlocks(([KVCacheBlock(i) for i in block_ids],))
 
 
 @dataclass

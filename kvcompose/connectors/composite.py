@@ -49,11 +49,13 @@ from kvcompose.connectors.children import (
     pipeline_from_vllm_config,
 )
 from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata
+from kvcompose.connectors.pairing import PairingCheck, PipelineShape
 from kvcompose.connectors.policies import POLICIES
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.prometheus import KVComposePromMetrics
 from kvcompose.metrics.recorder import PipelineRecorder
 from kvcompose.metrics.stats import CHILDREN_KEY, KVComposeStats
+from kvcompose.tracing import pipeline_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class KVComposeConnector(KVConnectorBase_V1):
             [child.name for child in self.pipeline.children],
             per_layer=self.pipeline.metrics.per_layer,
         )
+        self._tracing = pipeline_tracer(self.pipeline, role.name.lower())
         self.children = [
             Child(spec, construct_child(spec, role, kv_cache_config), self._wrap_child_call)
             for spec in child_specs(vllm_config, self.pipeline)
@@ -93,6 +96,9 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._layer_saves = tuple(c.save_kv_layer for c in self._savers)
         self._choose_loader = POLICIES[self.pipeline.load.policy]
         self._check_hma(vllm_config)
+        hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+        shape = PipelineShape.of(self.pipeline.name, (c.spec for c in self.children), hma_enabled)
+        self._pairing = PairingCheck(shape)  # a prefill/decode pair's pipelines must match
         # request id -> index of the child chosen to load it.
         self._loading_child: dict[str, int] = {}
         # request id -> async saves beyond the first still to finish (scheduler
@@ -100,8 +106,9 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._extra_async_saves: dict[str, int] = {}
 
     def _wrap_child_call(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        """Where observability wraps each child operation, once, at start-up."""
-        return self._recorder.wrap(spec.name, operation, call)
+        """Where observability wraps each child operation, once, at start-up:
+        timing innermost, the span around it."""
+        return self._tracing.wrap(spec, operation, self._recorder.wrap(spec.name, operation, call))
 
     def _check_hma(self, vllm_config: VllmConfig) -> None:
         hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
@@ -146,6 +153,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         assert isinstance(connector_metadata, KVComposeMetadata)
         if connector_metadata.extra_async_saves:
             self._extra_async_saves.update(connector_metadata.extra_async_saves)
+        self._tracing.begin_step(connector_metadata.traced_requests)
         for child, metadata in zip(self.children, connector_metadata.per_child, strict=True):
             child.bind_connector_metadata(metadata)
         super().bind_connector_metadata(connector_metadata)
@@ -154,6 +162,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         for child in self.children:
             child.clear_connector_metadata()
         super().clear_connector_metadata()
+        self._tracing.end_step()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVComposeMetadata)
@@ -263,6 +272,7 @@ class KVComposeConnector(KVConnectorBase_V1):
             child.bind_gpu_block_pool(gpu_block_pool)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._pairing.check(request.kv_transfer_params)
         choice = self._choose_loader(
             self._loaders, lambda child: child.get_num_new_matched_tokens(request, num_computed_tokens)
         )
@@ -300,6 +310,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         )
         if self._extra_async_saves:
             metadata.extra_async_saves, self._extra_async_saves = self._extra_async_saves, {}
+        metadata.traced_requests = self._tracing.step_requests(scheduler_output)
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -330,23 +341,26 @@ class KVComposeConnector(KVConnectorBase_V1):
         error) and count async saves so the request is reported sent once."""
         async_saves = 0
         params: dict[str, Any] | None = None
-        for child in self.children:
-            saves_async, child_params = finish(child)
-            async_saves += bool(saves_async)
-            if child_params is not None:
-                if params is None:
-                    params = child_params
-                elif clashes := params.keys() & child_params.keys():
-                    raise RuntimeError(
-                        f"kvcompose: child {child.name!r} returns kv_transfer_params keys {sorted(clashes)} "
-                        "that an earlier child already set"
-                    )
-                else:
-                    params.update(child_params)
+        try:
+            for child in self.children:
+                saves_async, child_params = finish(child)
+                async_saves += bool(saves_async)
+                if child_params is not None:
+                    if params is None:
+                        params = child_params
+                    elif clashes := params.keys() & child_params.keys():
+                        raise RuntimeError(
+                            f"kvcompose: child {child.name!r} returns kv_transfer_params keys {sorted(clashes)} "
+                            "that an earlier child already set"
+                        )
+                    else:
+                        params.update(child_params)
+        finally:
+            self._loading_child.pop(request.request_id, None)
+            self._tracing.request_finished(request)
         if async_saves > 1:
             self._extra_async_saves[request.request_id] = async_saves - 1
-        self._loading_child.pop(request.request_id, None)
-        return async_saves > 0, params
+        return async_saves > 0, self._pairing.stamp(params)
 
     def register_finished_partial_tail(
         self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]
@@ -383,6 +397,7 @@ class KVComposeConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         """Shut every child down, then re-raise the last failure, if any."""
         failure: Exception | None = None
+        self._tracing.close()
         for child in self.children:
             try:
                 child.shutdown()

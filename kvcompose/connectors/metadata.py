@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvcompose.tracing import TracedRequest
+
 
 @dataclass
 class KVComposeMetadata(KVConnectorMetadata):
@@ -15,6 +17,8 @@ class KVComposeMetadata(KVConnectorMetadata):
     # request id -> how many async savers beyond the first still owe a
     # finished_sending for it; lets workers report a request once all are done.
     extra_async_saves: dict[str, int] | None = None
+    # The step's sampled requests, so worker-side spans join their traces.
+    traced_requests: tuple[TracedRequest, ...] | None = None
 
 
 @dataclass

@@ -13,6 +13,7 @@ Its ``kv_connector_extra_config`` holds ``log`` (the key of its call log in
 - ``handshake``: a value for ``get_handshake_metadata`` (None by default)
 - ``worker_meta``: send worker metadata from ``build_connector_worker_meta``
 - ``fail_shutdown``: raise from ``shutdown``
+- ``raises``: method names that raise :class:`ScriptedFailure` (after being logged)
 - ``reset_cache``: what ``reset_cache`` returns (default True)
 """
 
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
 
 # log key -> [(method, summarized arguments, ...)]
 CALL_LOGS: defaultdict[str, list[tuple[Any, ...]]] = defaultdict(list)
+
+
+class ScriptedFailure(RuntimeError):
+    """Raised by a method the script names in ``raises``."""
 
 
 @dataclass
@@ -74,6 +79,8 @@ class RecordingConnector(KVConnectorBase_V1):
 
     def _record(self, *entry: Any) -> None:
         self.log.append(entry)
+        if entry[0] in self.script.get("raises", ()):
+            raise ScriptedFailure(f"scripted failure in {entry[0]}")
 
     # scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

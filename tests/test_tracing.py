@@ -1,0 +1,186 @@
+"""Spans from a scheduler-side and a worker-side composite, read from the in-memory exporter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from kvcompose.testing import recording
+from kvcompose.tracing import NoTracing, set_tracer_provider
+from kvcompose.tracing import attributes as attr
+from kvcompose.config import TracingSection
+from kvcompose.tracing.provider import provider_for, traces_url
+
+from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+TRACEPARENT = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
+ALLOWED_ATTRIBUTES = {
+    attr.CONNECTOR_NAME, attr.CONNECTOR_INDEX, attr.CONNECTOR_CLASS, attr.ROLE, attr.PIPELINE, attr.REQUEST_ID,
+    attr.COMPUTED_TOKENS, attr.MATCHED_TOKENS, attr.EXTERNAL_TOKENS, attr.LOAD_ASYNC, attr.SAVE_ASYNC, attr.BLOCKS,
+    attr.LOADED_BY, attr.REQUESTS, attr.LAYER, attr.FINISHED_SENDING, attr.FINISHED_RECVING, attr.ERROR_TYPE,
+}
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    set_tracer_provider(provider)
+    yield exporter
+    set_tracer_provider(None)
+
+
+def _pipeline(tracing: dict[str, Any], hot: dict[str, Any] | None = None) -> dict[str, Any]:
+    def child(name: str, script: dict[str, Any]) -> dict[str, Any]:
+        key = f"tracing/{name}"
+        recording.CALL_LOGS.pop(key, None)
+        return {"name": name, **RECORDING, "config": {"log": key, "script": script}}
+
+    return {"version": 1, "name": "traced", "tracing": {"enabled": True, **tracing},
+            "children": [child("hot", hot or {}), child("cold", {"matches": {"r1": [[32, False]]}})]}
+
+
+def _serve_one_request(scheduler: Any, worker: Any, request: Any, layers: int = 2) -> Any:
+    """Lookup, allocation, one worker step and the request's end, as vLLM orders them."""
+    tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, make_blocks(1, 2), tokens)
+    metadata = scheduler.build_connector_meta(scheduler_output(new=[request]))
+    worker.bind_connector_metadata(metadata)
+    worker.start_load_kv(None)
+    for layer in range(layers):
+        worker.wait_for_layer_load(f"model.layers.{layer}")
+        worker.save_kv_layer(f"model.layers.{layer}", None, None)
+    worker.wait_for_save()
+    worker.get_transfer_results(set())
+    worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    scheduler.request_finished(request, [1, 2])
+    return metadata
+
+
+def _by_name(spans: tuple[ReadableSpan, ...]) -> dict[str, list[ReadableSpan]]:
+    grouped: dict[str, list[ReadableSpan]] = {}
+    for span in spans:
+        grouped.setdefault(span.name, []).append(span)
+    return grouped
+
+
+def _connectors(spans: list[ReadableSpan]) -> list[str]:
+    return [span.attributes[attr.CONNECTOR_NAME] for span in spans]
+
+
+def test_request_granularity_joins_the_incoming_trace(vllm_config_with: Callable, exporter: Any) -> None:
+    scheduler, worker = composite_pair(vllm_config_with, _pipeline({"granularity": "request"}))
+    _serve_one_request(scheduler, worker, make_request("r1", TRACEPARENT))
+
+    spans = exporter.get_finished_spans()
+    named = _by_name(spans)
+    assert set(named) == {"kvcompose.request", "kvcompose.lookup", "kvcompose.update_state_after_alloc",
+                          "kvcompose.load", "kvcompose.save", "kvcompose.request_finished"}
+    assert {format(span.context.trace_id, "032x") for span in spans} == {TRACE_ID}
+
+    (request_span,) = named["kvcompose.request"]
+    assert format(request_span.parent.span_id, "016x") == PARENT_ID
+    assert request_span.attributes[attr.LOADED_BY] == "cold"
+    for name in ("kvcompose.lookup", "kvcompose.load", "kvcompose.save", "kvcompose.request_finished"):
+        assert {span.parent.span_id for span in named[name]} == {request_span.context.span_id}, name
+        assert {span.attributes[attr.REQUEST_ID] for span in named[name]} == {"r1"}
+
+    assert _connectors(named["kvcompose.lookup"]) == ["hot", "cold"]
+    assert [s.attributes[attr.MATCHED_TOKENS] for s in named["kvcompose.lookup"]] == [0, 32]
+    assert _connectors(named["kvcompose.load"]) == ["cold"]
+    assert named["kvcompose.load"][0].attributes[attr.ROLE] == "worker"
+    assert sorted(_connectors(named["kvcompose.save"])) == ["cold", "hot"]
+    assert all(set(span.attributes) <= ALLOWED_ATTRIBUTES for span in spans)
+    assert scheduler._tracing.open_requests == 0
+
+
+def test_step_granularity_adds_linked_step_spans(vllm_config_with: Callable, exporter: Any) -> None:
+    scheduler, worker = composite_pair(vllm_config_with, _pipeline({"granularity": "step"}))
+    _serve_one_request(scheduler, worker, make_request("r1", TRACEPARENT))
+
+    named = _by_name(exporter.get_finished_spans())
+    (step,) = named["kvcompose.step"]
+    (request_span,) = named["kvcompose.request"]
+    assert [link.context.span_id for link in step.links] == [request_span.context.span_id]
+    for name in ("kvcompose.start_load_kv", "kvcompose.wait_for_save", "kvcompose.get_transfer_results"):
+        assert {span.parent.span_id for span in named[name]} == {step.context.span_id}, name
+    assert _connectors(named["kvcompose.start_load_kv"]) == ["hot", "cold"]
+    assert "kvcompose.save_kv_layer" not in named
+
+
+def test_layer_granularity_adds_per_layer_spans(vllm_config_with: Callable, exporter: Any) -> None:
+    scheduler, worker = composite_pair(vllm_config_with, _pipeline({"granularity": "layer"}))
+    _serve_one_request(scheduler, worker, make_request("r1", TRACEPARENT), layers=3)
+
+    named = _by_name(exporter.get_finished_spans())
+    saves = named["kvcompose.save_kv_layer"]
+    assert len(saves) == 3 * 2  # layers x saving children
+    assert {span.attributes[attr.LAYER] for span in saves} == {f"model.layers.{i}" for i in range(3)}
+    assert {span.parent.span_id for span in saves} == {named["kvcompose.step"][0].context.span_id}
+
+
+def test_without_traceparent_each_request_is_its_own_trace(vllm_config_with: Callable, exporter: Any) -> None:
+    scheduler, worker = composite_pair(vllm_config_with, _pipeline({}))
+    _serve_one_request(scheduler, worker, make_request("r1"))
+    _serve_one_request(scheduler, worker, make_request("r2"))
+
+    requests = _by_name(exporter.get_finished_spans())["kvcompose.request"]
+    assert [span.parent for span in requests] == [None, None]
+    assert len({span.context.trace_id for span in requests}) == 2
+
+
+def test_a_failing_child_call_is_an_error_span(vllm_config_with: Callable, exporter: Any) -> None:
+    scheduler, _ = composite_pair(vllm_config_with, _pipeline({}, hot={"raises": ["get_num_new_matched_tokens"]}))
+    with pytest.raises(recording.ScriptedFailure):
+        scheduler.get_num_new_matched_tokens(make_request("r1", TRACEPARENT), 0)
+    scheduler.request_finished(make_request("r1", TRACEPARENT), [])
+
+    (lookup,) = _by_name(exporter.get_finished_spans())["kvcompose.lookup"]
+    assert lookup.status.status_code is StatusCode.ERROR
+    assert lookup.attributes[attr.ERROR_TYPE] == "kvcompose.testing.recording.ScriptedFailure"
+    assert "scripted failure" not in str(lookup.status.description)  # messages stay out of spans
+
+
+def test_unsampled_requests_create_no_spans_and_no_metadata(vllm_config_with: Callable) -> None:
+    tracing = {"exporter": "none", "sample_ratio": 0.0}
+    provider = provider_for(TracingSection(enabled=True, **tracing))  # the pipeline's own sampler
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    scheduler, worker = composite_pair(vllm_config_with, _pipeline(tracing))
+    metadata = _serve_one_request(scheduler, worker, make_request("r1"))
+
+    assert exporter.get_finished_spans() == ()
+    assert metadata.traced_requests is None
+    assert scheduler._tracing.open_requests == 0
+
+
+def test_tracing_off_wraps_nothing(vllm_config_with: Callable, exporter: Any) -> None:
+    pipeline = _pipeline({})
+    pipeline["tracing"]["enabled"] = False
+    pipeline["metrics"] = {"enabled": False}
+    scheduler, worker = composite_pair(vllm_config_with, pipeline)
+    _serve_one_request(scheduler, worker, make_request("r1", TRACEPARENT))
+
+    assert isinstance(scheduler._tracing, NoTracing)
+    assert exporter.get_finished_spans() == ()
+    hot = worker.children[0]
+    assert hot.save_kv_layer == hot.connector.save_kv_layer  # the child's own bound method
+
+
+@pytest.mark.parametrize(("endpoint", "url"), [
+    ("http://jaeger:4318", "http://jaeger:4318/v1/traces"),
+    ("http://jaeger:4318/", "http://jaeger:4318/v1/traces"),
+    ("http://collector:4318/custom/path", "http://collector:4318/custom/path"),
+])
+def test_endpoint_accepts_a_base_url_or_a_traces_url(endpoint: str, url: str) -> None:
+    assert traces_url(endpoint) == url
