@@ -14,7 +14,6 @@ Deliberately not forwarded:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -51,13 +50,14 @@ from kvcompose.connectors.children import (
 from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata
 from kvcompose.connectors.pairing import PairingCheck, PipelineShape
 from kvcompose.connectors.policies import POLICIES
+from kvcompose.logs import configure_logging, get_logger
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.prometheus import KVComposePromMetrics
 from kvcompose.metrics.recorder import PipelineRecorder
 from kvcompose.metrics.stats import CHILDREN_KEY, KVComposeStats
 from kvcompose.tracing import pipeline_tracer
 
-logger = logging.getLogger(__name__)
+logger = get_logger("connector")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,6 +78,7 @@ class KVComposeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.pipeline = pipeline_from_vllm_config(vllm_config)
+        configure_logging(self.pipeline.logging)
         self._recorder = PipelineRecorder(
             self.pipeline.metrics.enabled,
             self.pipeline.metrics.latency_buckets,
@@ -96,6 +97,12 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._layer_saves = tuple(c.save_kv_layer for c in self._savers)
         self._choose_loader = POLICIES[self.pipeline.load.policy]
         self._check_hma(vllm_config)
+        logger.info(
+            "pipeline started", pipeline=self.pipeline.name, role=role.name.lower(),
+            children=[f"{c.name}={c.spec.class_name}" for c in self.children],
+            load_policy=self.pipeline.load.policy, metrics=self.pipeline.metrics.enabled,
+            tracing=self.pipeline.tracing.granularity if self.pipeline.tracing.enabled else "off",
+        )
         hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         shape = PipelineShape.of(self.pipeline.name, (c.spec for c in self.children), hma_enabled)
         self._pairing = PairingCheck(shape)  # a prefill/decode pair's pipelines must match
@@ -402,7 +409,7 @@ class KVComposeConnector(KVConnectorBase_V1):
             try:
                 child.shutdown()
             except Exception as error:
-                logger.exception("kvcompose: child %r failed to shut down", child.name)
+                logger.error("child failed to shut down", connector=child.name, error_type=type(error).__name__)
                 failure = error
         if failure is not None:
             raise failure
