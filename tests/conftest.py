@@ -60,8 +60,19 @@ def plain_llm(tiny_model: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
-def served_pipeline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """`vllm serve` with examples/pipeline.yaml, its two stores under a temp dir.
+def otlp_receiver() -> Any:
+    """Receives the OTLP/HTTP spans of every server the tests start."""
+    from .otlp_support import start_receiver
+
+    receiver = start_receiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def served_pipeline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp_receiver: Any) -> Any:
+    """`vllm serve` with examples/pipeline.yaml, its two stores under a temp dir,
+    vLLM's and kvcompose's tracing on and sent to ``otlp_receiver``.
 
     The --kv-transfer-config is exactly what `kvcompose render` prints.
     """
@@ -71,11 +82,24 @@ def served_pipeline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     from .server_support import start_server
 
     root = tmp_path_factory.mktemp("served")
-    env = {"KVCOMPOSE_HOT": str(root / "hot"), "KVCOMPOSE_COLD": str(root / "cold")}
+    env = {"KVCOMPOSE_HOT": str(root / "hot"), "KVCOMPOSE_COLD": str(root / "cold"), "KVCOMPOSE_TRACING": "true",
+           "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp_receiver.endpoint,
+           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
     pipeline = Path(__file__).resolve().parents[1] / "examples" / "pipeline.yaml"
     rendered = subprocess.run([sys.executable, "-m", "kvcompose", "render", str(pipeline)],
                               capture_output=True, text=True, check=True).stdout.strip()
-    server = start_server(tiny_model, rendered, root / "server.log", env=env)
+    server = start_server(tiny_model, rendered, root / "server.log", env=env,
+                          extra_args=["--otlp-traces-endpoint", otlp_receiver.endpoint])
     server.stores = {"hot": root / "hot", "cold": root / "cold"}  # type: ignore[attr-defined]
     yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def prometheus(served_pipeline: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The URL of one real Prometheus server scraping ``served_pipeline`` every second, for the session."""
+    from .prometheus_support import start_prometheus
+
+    server = start_prometheus(served_pipeline.url, tmp_path_factory.mktemp("prometheus"))
+    yield server.url
     server.stop()
