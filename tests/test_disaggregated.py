@@ -29,6 +29,8 @@ BLOCK_SIZE = 16  # vLLM's default on the CPU backend; ExampleConnector stores wh
 LAYERS = 2  # the tiny model's
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 SETTLE_S = 60
+# Well inside NIXL's 30 s block lease: a send nobody completed cannot pass as idle by expiring.
+IDLE_WITHIN_S = 20
 
 
 @dataclass
@@ -138,9 +140,9 @@ def _total(metrics: str, name: str, **labels: str) -> float:
     )
 
 
-def _settled(server: Server, done: Callable[[str], bool]) -> str:
+def _settled(server: Server, done: Callable[[str], bool], timeout_s: float = SETTLE_S) -> str:
     """The server's /metrics once ``done`` holds (the last step's stats arrive a moment late)."""
-    deadline = time.monotonic() + SETTLE_S
+    deadline = time.monotonic() + timeout_s
     while True:
         metrics = server.metrics()
         if done(metrics) or time.monotonic() > deadline:
@@ -221,7 +223,7 @@ def test_ten_concurrent_requests_complete_and_leave_nothing_waiting(
     # Every async NIXL send finished (the prefill server freed the blocks it held
     # for the decode server) and every receive finished: nothing left in either.
     for server in (pd_pair.prefill, pd_pair.decode):
-        metrics = _settled(server, _idle)
+        metrics = _settled(server, _idle, IDLE_WITHIN_S)
         assert _idle(metrics), f"{server.url} still busy:\n{_busy_lines(metrics)}"
         assert _total(metrics, "vllm:nixl_num_kv_expired_reqs_total") == 0
     decode = pd_pair.decode.metrics()
@@ -259,10 +261,11 @@ def test_the_decode_server_names_the_pipeline_setting_at_fault(pd_pair: Disaggre
     shape["children"][0][1:] = ["NixlPushConnector", "NixlPushConnector"]
     decoded = proxy.post_json(f"{pd_pair.decode.url}/v1/completions", proxy.decode_request(body, prefilled), {})
     assert decoded["choices"][0]["text"] == expected  # the servers themselves do match
-    message = ("kvcompose: prefill/decode pipelines do not match: children[0].connector: child 'nixl' is "
-               "'NixlConnector' (class NixlPullConnector) here but 'NixlPushConnector' (class NixlPushConnector) "
-               "in pipeline 'pd-prefill' of the server that prefilled this request")
+    problem = ("children[0].connector: child 'nixl' is 'NixlConnector' (class NixlPullConnector) here but "
+               "'NixlPushConnector' (class NixlPushConnector) in pipeline 'pd-prefill' of the server that "
+               "prefilled this request")
     deadline = time.monotonic() + SETTLE_S
-    while message not in pd_pair.decode.log_tail(100_000) and time.monotonic() < deadline:
+    while problem not in pd_pair.decode.log_tail(100_000) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert message in pd_pair.decode.log_tail(100_000)
+    [line] = [line for line in pd_pair.decode.log_tail(100_000).splitlines() if problem in line]
+    assert "[error" in line and "prefill/decode pipelines do not match" in line and "pipeline=pd-decode" in line

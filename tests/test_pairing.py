@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import logging.handlers
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,7 @@ def test_params_from_a_server_without_kvcompose(prefill_shape: PipelineShape) ->
 
 
 def test_composites_stamp_and_check_through_kv_transfer_params(
-    vllm_config_with: Callable, caplog: pytest.LogCaptureFixture, tmp_path: Path
+    vllm_config_with: Callable, tmp_path: Path
 ) -> None:
     """Two real KVComposeConnector schedulers: the prefill side's request_finished
     stamps the handoff, the decode side's lookup logs the mismatch once."""
@@ -132,11 +133,18 @@ def test_composites_stamp_and_check_through_kv_transfer_params(
 
     incoming = Request("r2", [1, 2, 3], SamplingParams(max_tokens=4, extra_args={
         "kv_transfer_params": copy.deepcopy(json.loads(json.dumps(params)))}), None)
-    with caplog.at_level(logging.ERROR, logger="kvcompose.connectors.pairing"):
+    captured = logging.handlers.BufferingHandler(capacity=100)
+    logging.getLogger("kvcompose.pairing").addHandler(captured)
+    try:
         decode.get_num_new_matched_tokens(incoming, 0)
         decode.get_num_new_matched_tokens(incoming, 0)
-    [record] = [r for r in caplog.records if r.name == "kvcompose.connectors.pairing"]
-    assert "children[1].connector: child 'store' is 'RecordingConnector'" in record.getMessage()
-    assert "'ExampleConnector' (class ExampleConnector) in pipeline 'pd-prefill'" in record.getMessage()
+    finally:
+        logging.getLogger("kvcompose.pairing").removeHandler(captured)
+    [record] = captured.buffer
+    assert record.levelno == logging.ERROR
+    line = record.getMessage()
+    assert "prefill/decode pipelines do not match" in line and "pipeline=pd-decode" in line
+    assert "children[1].connector: child 'store' is 'RecordingConnector'" in line
+    assert "'ExampleConnector' (class ExampleConnector) in pipeline 'pd-prefill'" in line
     for log in ("pairing/pd-prefill", "pairing/pd-decode", "pairing/decode-store"):
         recording.CALL_LOGS.pop(log, None)

@@ -17,12 +17,13 @@ under the same composite class. Child configs (a storage path) may differ.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-logger = logging.getLogger(__name__)
+from kvcompose.logs import get_logger
+
+logger = get_logger("pairing")
 
 PAIRING_KEY = "kvcompose"
 
@@ -175,4 +176,4 @@ class PairingCheck:
         for problem in self.problems(params):
             if problem not in self._reported:
                 self._reported.add(problem)
-                logger.error("kvcompose: prefill/decode pipelines do not match: %s", problem)
+                logger.error("prefill/decode pipelines do not match", pipeline=self.local.pipeline, problem=problem)
