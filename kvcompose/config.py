@@ -202,8 +202,12 @@ def load_pipeline(source: str | Path | Mapping[str, Any]) -> Pipeline:
     except PipelineConfigError as error:
         raise PipelineConfigError([_with_line(p, lines) for p in error.problems], label) from None
     except ValidationError as error:
-        problems = [Problem(tuple(e["loc"]), _pydantic_message(e)) for e in error.errors()]
-        raise PipelineConfigError([_with_line(p, lines) for p in problems], label) from None
+        raise PipelineConfigError([_with_line(p, lines) for p in validation_problems(error)], label) from None
+
+
+def validation_problems(error: ValidationError) -> list[Problem]:
+    """One :class:`Problem` per pydantic error, worded for people editing a config."""
+    return [Problem(tuple(e["loc"]), _pydantic_message(e)) for e in error.errors()]
 
 
 def _pydantic_message(error: Mapping[str, Any]) -> str:

@@ -4,5 +4,6 @@ Importing this package imports vLLM.
 """
 
 from kvcompose.connectors.composite import KVComposeConnector, KVComposeHMAConnector
+from kvcompose.connectors.fault_injection import FaultInjectionConnector
 
-__all__ = ["KVComposeConnector", "KVComposeHMAConnector"]
+__all__ = ["FaultInjectionConnector", "KVComposeConnector", "KVComposeHMAConnector"]

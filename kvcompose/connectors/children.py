@@ -11,7 +11,7 @@ from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from kvcompose.config import ChildConfig, Pipeline, load_pipeline
+from kvcompose.config import ChildConfig, KVRole, Pipeline, load_pipeline
 from kvcompose.metrics.native import class_path
 
 if TYPE_CHECKING:
@@ -60,14 +60,14 @@ def pipeline_from_extra_config(extra_config: Mapping[str, Any]) -> Pipeline:
     return load_pipeline(source)
 
 
-def child_transfer_config(pipeline: Pipeline, child: ChildConfig, parent: KVTransferConfig | None) -> KVTransferConfig:
+def child_transfer_config(child: ChildConfig, role: KVRole, parent: KVTransferConfig | None) -> KVTransferConfig:
     """The child's own KVTransferConfig, as MultiConnector builds one per child."""
     fields: dict[str, Any] = {
         "engine_id": parent.engine_id if parent is not None else None,
         **child.transfer,
         "kv_connector": child.connector,
         "kv_connector_module_path": child.module_path,
-        "kv_role": pipeline.child_role(child),
+        "kv_role": role,
         "kv_connector_extra_config": dict(child.config),
     }
     return KVTransferConfig(**fields)
@@ -94,7 +94,7 @@ def _resolve(
 ) -> tuple[type[KVConnectorBase_V1], KVTransferConfig]:
     child = pipeline.children[index]
     try:
-        ktc = child_transfer_config(pipeline, child, parent)
+        ktc = child_transfer_config(child, pipeline.child_role(child), parent)
         return KVConnectorFactory.get_connector_class(ktc), ktc
     except Exception as error:
         raise ChildStartupError(_describe_failure(child, index, error)) from error
