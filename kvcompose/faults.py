@@ -118,19 +118,23 @@ class Faults(_Settings):
         return by_operation
 
 
+# The keys of a pipeline child that describe a connector; the others (name,
+# load, save, error handling, ...) are about its place in a pipeline.
+INNER_KEYS = ("connector", "module_path", "role", "config", "transfer")
+
+
 class InnerConnector(ChildConfig):
-    """The wrapped connector, described like a pipeline child (``connector``,
-    ``module_path``, ``role``, ``config``, ``transfer``); its role defaults to
-    the fault injector's own."""
+    """The wrapped connector, described with a pipeline child's connector keys
+    (:data:`INNER_KEYS`); its role defaults to the fault injector's own."""
 
     name: LabelSafeName = "inner"
 
     @model_validator(mode="before")
     @classmethod
-    def _no_pipeline_keys(cls, data: Any) -> Any:
+    def _connector_keys_only(cls, data: Any) -> Any:
         if isinstance(data, Mapping):
-            for key in ("name", "load", "save"):
-                if key in data:
+            for key in data:
+                if key in ChildConfig.model_fields and key not in INNER_KEYS:
                     raise ValueError(f"{key!r} belongs on the pipeline child, not on the wrapped connector; remove it")
         return data
 
