@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from kvcompose.metrics.native import NativeStats
@@ -26,6 +27,22 @@ if TYPE_CHECKING:
     from kvcompose.connectors.children import ChildSpec
 
 CONNECTOR_LABEL = "connector"
+METRIC_PREFIX = "kvcompose_"
+
+
+def unregister_kvcompose_metrics() -> None:
+    """Drop kvcompose's series from prometheus_client's default registry.
+
+    A second engine in one process (two ``LLM`` objects, a test session)
+    builds the metrics again, and the default registry refuses a name it
+    holds ("Duplicated timeseries"). vLLM drops its own ``vllm:`` series at
+    that point and kvcompose drops its ``kvcompose_`` ones, so the newest
+    engine's series are exported. prometheus_client has no public way to list
+    collectors; its ``_collector_to_names`` mapping is what vLLM reads too.
+    """
+    for collector, names in list(REGISTRY._collector_to_names.items()):
+        if any(name.startswith(METRIC_PREFIX) for name in names):
+            REGISTRY.unregister(collector)
 
 
 class KVComposePromMetrics(KVConnectorPromMetrics):
@@ -39,6 +56,7 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
         specs: list[ChildSpec],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        unregister_kvcompose_metrics()
         names = [*labelnames, CONNECTOR_LABEL]
         self.duration = self._histogram_cls(
             "kvcompose_call_duration_seconds",

@@ -1,0 +1,66 @@
+"""A second engine in one process registers kvcompose's metrics again.
+
+vLLM's ``PrometheusStatLogger`` is what each engine's front-end builds; it
+registers into prometheus_client's default registry, which refuses a name it
+already holds. Built twice here (two pipelines, as two ``LLM`` objects in one
+process would), the second must not fail and must be the one exported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def _pipeline_config(vllm_config_with: Callable, name: str, children: list[str]) -> Any:
+    pipeline = {"version": 1, "name": name, "children": [
+        {"name": child, "connector": "ExampleConnector", "config": {"shared_storage_path": f"/tmp/kvc-unused/{child}"}}
+        for child in children
+    ]}
+    return vllm_config_with({"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
+                             "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
+
+
+def _info_children(exposition: str) -> set[tuple[str, str]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.labels["pipeline"], sample.labels["connector"])
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.name == "kvcompose_pipeline_info"
+    }
+
+
+def _lookups(exposition: str, child: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.name == "kvcompose_lookups_total" and sample.labels["connector"] == child
+    )
+
+
+def _payload(child: str, hits: int) -> dict[str, Any]:
+    counters = {"lookup_hits": hits, "lookup_misses": 0, "matched_tokens": 0, "loaded_tokens": 0,
+                "load_error_blocks": 0}
+    return {"children": {child: {"ops": {}, "errors": {}, "counters": counters}}}
+
+
+def test_second_stat_logger_in_one_process_replaces_the_first(vllm_config_with: Callable) -> None:
+    from prometheus_client import generate_latest
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    first = PrometheusStatLogger(_pipeline_config(vllm_config_with, "first", ["hot", "cold"]))
+    first.kv_connector_prom.observe(_payload("hot", 3))
+    assert _lookups(generate_latest().decode(), "hot") == 3
+
+    second = PrometheusStatLogger(_pipeline_config(vllm_config_with, "second", ["hot", "disk"]))
+    second.kv_connector_prom.observe(_payload("hot", 5))
+    first.kv_connector_prom.observe(_payload("hot", 100))  # the first engine's series are no longer exported
+
+    exposition = generate_latest().decode()
+    assert _info_children(exposition) == {("second", "hot"), ("second", "disk")}
+    assert _lookups(exposition, "hot") == 5
