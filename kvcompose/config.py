@@ -44,6 +44,21 @@ class LoadSection(_Section):
         "MultiConnector does. longest_match: the child reporting the most tokens loads (ties go to "
         "the earlier child).",
     )
+    on_failure: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="What vLLM does when a child cannot deliver tokens it claimed (rendered as "
+        "kv_load_failure_policy): recompute them, or fail the request.",
+    )
+
+
+class CircuitBreakerSection(_Section):
+    """Skip a failing child for a while instead of calling it on every step."""
+
+    enabled: bool = True
+    failures: Annotated[int, Field(ge=1)] = Field(5, description="Consecutive failed calls that open the circuit.")
+    cooldown_s: Annotated[float, Field(gt=0)] = Field(
+        30.0, description="Seconds the child is skipped before one probing call is let through."
+    )
 
 
 class ChildConfig(_Section):
@@ -59,6 +74,12 @@ class ChildConfig(_Section):
     role: KVRole | None = Field(None, description="The child's kv_role; defaults to the pipeline's role.")
     load: bool = Field(True, description="May this child serve loads?")
     save: bool = Field(True, description="Does this child receive saves?")
+    on_error: Literal["isolate", "raise"] = Field(
+        "isolate",
+        description="isolate: a failing call is logged, counted and traced, and the request goes on without "
+        "this child (a lookup is a miss, a load is recomputed). raise: the error reaches vLLM.",
+    )
+    circuit_breaker: CircuitBreakerSection = CircuitBreakerSection()
     config: dict[str, Any] = Field(
         default_factory=dict, description="Passed to the child as its kv_connector_extra_config."
     )

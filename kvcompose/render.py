@@ -21,6 +21,7 @@ def kv_transfer_config(pipeline: Pipeline, pipeline_ref: str | dict[str, Any]) -
         "kv_connector": COMPOSITE_CONNECTOR,
         "kv_connector_module_path": COMPOSITE_MODULE,
         "kv_role": pipeline.role,
+        "kv_load_failure_policy": pipeline.load.on_failure,
         "kv_connector_extra_config": {"pipeline": pipeline_ref},
     }
 

@@ -71,8 +71,9 @@ def otlp_receiver() -> Any:
 
 @pytest.fixture(scope="session")
 def served_pipeline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp_receiver: Any) -> Any:
-    """`vllm serve` with examples/pipeline.yaml, its two stores under a temp dir,
-    vLLM's and kvcompose's tracing on and sent to ``otlp_receiver``.
+    """`vllm serve` with examples/observability/pipeline.yaml (examples/pipeline.yaml
+    with tracing on), its two stores under a temp dir, vLLM's and kvcompose's
+    spans sent to ``otlp_receiver``.
 
     The --kv-transfer-config is exactly what `kvcompose render` prints.
     """
@@ -82,10 +83,10 @@ def served_pipeline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, 
     from .server_support import start_server
 
     root = tmp_path_factory.mktemp("served")
-    env = {"KVCOMPOSE_HOT": str(root / "hot"), "KVCOMPOSE_COLD": str(root / "cold"), "KVCOMPOSE_TRACING": "true",
+    env = {"KVCOMPOSE_HOT": str(root / "hot"), "KVCOMPOSE_COLD": str(root / "cold"),
            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp_receiver.endpoint,
            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
-    pipeline = Path(__file__).resolve().parents[1] / "examples" / "pipeline.yaml"
+    pipeline = Path(__file__).resolve().parents[1] / "examples" / "observability" / "pipeline.yaml"
     rendered = subprocess.run([sys.executable, "-m", "kvcompose", "render", str(pipeline)],
                               capture_output=True, text=True, check=True).stdout.strip()
     server = start_server(tiny_model, rendered, root / "server.log", env=env,

@@ -139,16 +139,25 @@ def test_without_traceparent_each_request_is_its_own_trace(vllm_config_with: Cal
     assert len({span.context.trace_id for span in requests}) == 2
 
 
-def test_a_failing_child_call_is_an_error_span(vllm_config_with: Callable, exporter: Any) -> None:
-    scheduler, _ = composite_pair(vllm_config_with, _pipeline({}, hot={"raises": ["get_num_new_matched_tokens"]}))
-    with pytest.raises(recording.ScriptedFailure):
-        scheduler.get_num_new_matched_tokens(make_request("r1", TRACEPARENT), 0)
-    scheduler.request_finished(make_request("r1", TRACEPARENT), [])
+@pytest.mark.parametrize("on_error", ["isolate", "raise"])
+def test_a_failing_child_call_is_an_error_span(vllm_config_with: Callable, exporter: Any, on_error: str) -> None:
+    pipeline = _pipeline({}, hot={"raises": ["get_num_new_matched_tokens"]})
+    pipeline["children"][0]["on_error"] = on_error
+    scheduler, _ = composite_pair(vllm_config_with, pipeline)
+    request = make_request("r1", TRACEPARENT)
+    if on_error == "raise":
+        with pytest.raises(recording.ScriptedFailure):
+            scheduler.get_num_new_matched_tokens(request, 0)
+    else:  # a miss on "hot"; "cold" still answers
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (32, False)
+    scheduler.request_finished(request, [])
 
-    (lookup,) = _by_name(exporter.get_finished_spans())["kvcompose.lookup"]
-    assert lookup.status.status_code is StatusCode.ERROR
-    assert lookup.attributes[attr.ERROR_TYPE] == "kvcompose.testing.recording.ScriptedFailure"
-    assert "scripted failure" not in str(lookup.status.description)  # messages stay out of spans
+    lookups = _by_name(exporter.get_finished_spans())["kvcompose.lookup"]
+    failed = lookups[0]
+    assert failed.attributes[attr.CONNECTOR_NAME] == "hot"
+    assert failed.status.status_code is StatusCode.ERROR
+    assert failed.attributes[attr.ERROR_TYPE] == "kvcompose.testing.recording.ScriptedFailure"
+    assert "scripted failure" not in str(failed.status.description)  # messages stay out of spans
 
 
 def test_unsampled_requests_create_no_spans_and_no_metadata(vllm_config_with: Callable) -> None:

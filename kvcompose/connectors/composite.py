@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -47,7 +47,8 @@ from kvcompose.connectors.children import (
     pipeline_from_extra_config,
     pipeline_from_vllm_config,
 )
-from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata
+from kvcompose.connectors.isolation import FAILED, BreakerState, ChildGuard
+from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
 from kvcompose.connectors.pairing import PairingCheck, PipelineShape
 from kvcompose.connectors.policies import POLICIES
 from kvcompose.logs import configure_logging, get_logger
@@ -72,6 +73,18 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+class _ChosenLoader(NamedTuple):
+    child: int  # index of the child that loads the request
+    local_tokens: int  # tokens vLLM had computed locally when it asked
+    load_async: bool
+
+
+def external_block_ids(blocks: KVCacheBlocks, local_tokens: int, external_tokens: int, block_size: int) -> tuple[int, ...]:
+    """The blocks a load fills: those after the local prefix, in the first KV cache group."""
+    block_ids = blocks.get_block_ids()[0]
+    return tuple(block_ids[local_tokens // block_size : -(-(local_tokens + external_tokens) // block_size)])
+
+
 class KVComposeConnector(KVConnectorBase_V1):
     """A KV connector made of the named children of a kvcompose pipeline."""
 
@@ -86,16 +99,16 @@ class KVComposeConnector(KVConnectorBase_V1):
             per_layer=self.pipeline.metrics.per_layer,
         )
         self._tracing = pipeline_tracer(self.pipeline, role.name.lower())
+        self._guards = [ChildGuard(child, self._bind_layer_calls) for child in self.pipeline.children]
         self.children = [
             Child(spec, construct_child(spec, role, kv_cache_config), self._wrap_child_call)
             for spec in child_specs(vllm_config, self.pipeline)
         ]
         self._loaders = tuple(c for c in self.children if c.load)
         self._savers = tuple(c for c in self.children if c.save)
-        # Called once per layer per step: bound once here, not looked up per call.
-        self._layer_loads = tuple(c.wait_for_layer_load for c in self._loaders)
-        self._layer_saves = tuple(c.save_kv_layer for c in self._savers)
+        self._bind_layer_calls()
         self._choose_loader = POLICIES[self.pipeline.load.policy]
+        self._block_size = vllm_config.cache_config.block_size
         self._check_hma(vllm_config)
         logger.info(
             "pipeline started", pipeline=self.pipeline.name, role=role.name.lower(),
@@ -106,16 +119,55 @@ class KVComposeConnector(KVConnectorBase_V1):
         hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         shape = PipelineShape.of(self.pipeline.name, (c.spec for c in self.children), hma_enabled)
         self._pairing = PairingCheck(shape)  # a prefill/decode pair's pipelines must match
-        # request id -> index of the child chosen to load it.
-        self._loading_child: dict[str, int] = {}
-        # request id -> async saves beyond the first still to finish (scheduler
-        # side until the next metadata is built, then worker side).
-        self._extra_async_saves: dict[str, int] = {}
+        # Scheduler side, per request id: the child chosen to load it; and, until
+        # the next metadata is built, loads planned or cancelled and async savers.
+        self._loading: dict[str, _ChosenLoader] = {}
+        self._planned_loads: dict[str, LoadPlan] = {}
+        self._cancelled_loads: dict[str, LoadPlan] = {}
+        self._async_savers: dict[str, tuple[int, ...]] = {}
+        # Worker side: this step's loads, async loads in flight (-> child index),
+        # children still owing an async save, and failures to report to vLLM.
+        self._step_loads: dict[str, LoadPlan] = {}
+        self._receiving: dict[str, int] = {}
+        self._owed_saves: dict[str, set[int]] = {}
+        self._load_errors: set[int] = set()
+        self._failed_recvs: set[str] = set()
 
     def _wrap_child_call(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        """Where observability wraps each child operation, once, at start-up:
-        timing innermost, the span around it."""
-        return self._tracing.wrap(spec, operation, self._recorder.wrap(spec.name, operation, call))
+        """Where each child operation is wrapped, once, at start-up: timing
+        innermost, then error isolation, then the span around both."""
+        metered = self._recorder.wrap(spec.name, operation, call)
+        return self._tracing.wrap(spec, operation, self._guards[spec.index].wrap(operation, metered))
+
+    def _bind_layer_calls(self, changed: ChildGuard | None = None) -> None:
+        """Bind the per-layer calls (made once per layer per step) once, not per
+        call, leaving out children whose circuit is open."""
+        usable = [c for c in self.children if self._guards[c.index].state is not BreakerState.OPEN]
+        self._layer_loads = tuple(c.wait_for_layer_load for c in usable if c.load)
+        self._layer_saves = tuple(c.save_kv_layer for c in usable if c.save)
+
+    def _isolate_layer_failure(self, call: Callable[..., Any], operation: str, error: Exception) -> bool:
+        """A per-layer call raised: True if its child isolates errors (then handled here)."""
+        child = next(c for c in self.children if getattr(c, operation) is call)
+        guard = self._guards[child.index]
+        if not guard.isolate:
+            return False
+        guard.failed(operation, error)
+        if operation == "wait_for_layer_load":
+            self._fail_loads(child.index)
+        return True
+
+    def request_state_sizes(self) -> dict[str, int]:
+        """Sizes of the per-request maps that are not empty; none should outlive its requests."""
+        maps: dict[str, Any] = {
+            "loading": self._loading, "planned_loads": self._planned_loads, "cancelled_loads": self._cancelled_loads,
+            "async_savers": self._async_savers, "step_loads": self._step_loads, "receiving": self._receiving,
+            "owed_saves": self._owed_saves, "load_errors": self._load_errors, "failed_recvs": self._failed_recvs,
+        }
+        sizes = {name: len(entries) for name, entries in maps.items() if entries}
+        if self._tracing.open_requests:
+            sizes["traced_requests"] = self._tracing.open_requests
+        return sizes
 
     def _check_hma(self, vllm_config: VllmConfig) -> None:
         hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
@@ -158,17 +210,41 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(connector_metadata, KVComposeMetadata)
-        if connector_metadata.extra_async_saves:
-            self._extra_async_saves.update(connector_metadata.extra_async_saves)
+        self._track_step(connector_metadata)
         self._tracing.begin_step(connector_metadata.traced_requests)
         for child, metadata in zip(self.children, connector_metadata.per_child, strict=True):
-            child.bind_connector_metadata(metadata)
+            if child.bind_connector_metadata(metadata) is FAILED:
+                self._fail_loads(child.index)
         super().bind_connector_metadata(connector_metadata)
+
+    def _track_step(self, metadata: KVComposeMetadata) -> None:
+        for req_id, savers in (metadata.async_saves or {}).items():
+            self._owed_saves[req_id] = set(savers)
+        self._step_loads = metadata.loads or {}
+        for req_id, plan in self._step_loads.items():
+            if plan.load_async:
+                self._receiving[req_id] = plan.child
+        for req_id, plan in (metadata.cancelled_loads or {}).items():
+            self._report_failed_load(req_id, plan)
+
+    def _fail_loads(self, child_index: int) -> None:
+        """The child failed this step: report its loads so vLLM recomputes them."""
+        for req_id, plan in self._step_loads.items():
+            if plan.child == child_index:
+                self._report_failed_load(req_id, plan)
+
+    def _report_failed_load(self, req_id: str, plan: LoadPlan) -> None:
+        if plan.load_async:
+            self._receiving.pop(req_id, None)
+            self._failed_recvs.add(req_id)
+        else:
+            self._load_errors.update(plan.block_ids)
 
     def clear_connector_metadata(self) -> None:
         for child in self.children:
             child.clear_connector_metadata()
         super().clear_connector_metadata()
+        self._step_loads = {}
         self._tracing.end_step()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -178,17 +254,26 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         for child in self._loaders:
-            child.start_load_kv(forward_context, **kwargs)
+            if child.start_load_kv(forward_context, **kwargs) is FAILED:
+                self._fail_loads(child.index)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         for wait_for_layer_load in self._layer_loads:
-            wait_for_layer_load(layer_name)
+            try:
+                wait_for_layer_load(layer_name)
+            except Exception as error:
+                if not self._isolate_layer_failure(wait_for_layer_load, "wait_for_layer_load", error):
+                    raise
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
         for save_kv_layer in self._layer_saves:
-            save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+            try:
+                save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+            except Exception as error:
+                if not self._isolate_layer_failure(save_kv_layer, "save_kv_layer", error):
+                    raise
 
     def wait_for_save(self) -> None:
         for child in self._savers:
@@ -208,32 +293,56 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Union of the children's results; a request counts as sent once its
-        last async saver reports it."""
+        last async saver reports it. A child that failed gives up what it owes:
+        its saves count as done, its receives as failed (vLLM recomputes)."""
         results = KVConnectorTransferResults()
         for child in self.children:
             child_results = child.get_transfer_results(finished_req_ids)
+            if child_results is FAILED:
+                child_results = self._give_up_transfers(child.index)
             results.finished_recving |= child_results.finished_recving
             results.failed_recving |= child_results.failed_recving
+            for req_id in child_results.finished_recving:
+                self._receiving.pop(req_id, None)
             for req_id in child_results.finished_sending:
-                if self._one_async_save_done(req_id):
+                if self._async_save_done(req_id, child.index):
                     results.finished_sending.add(req_id)
+        if self._failed_recvs:
+            results.failed_recving |= self._failed_recvs
+            results.finished_recving |= self._failed_recvs
+            self._failed_recvs = set()
         return results
 
-    def _one_async_save_done(self, req_id: str) -> bool:
-        """Count one child's finished save; True when it was the last one owed."""
-        still_owed = self._extra_async_saves.get(req_id)
-        if still_owed is None:
+    def _async_save_done(self, req_id: str, child_index: int) -> bool:
+        """Count one child's finished save; True when no other child still owes one."""
+        owed = self._owed_saves.get(req_id)
+        if owed is None:
             return True
-        if still_owed == 1:
-            del self._extra_async_saves[req_id]
-        else:
-            self._extra_async_saves[req_id] = still_owed - 1
-        return False
+        owed.discard(child_index)
+        if owed:
+            return False
+        del self._owed_saves[req_id]
+        return True
+
+    def _give_up_transfers(self, child_index: int) -> KVConnectorTransferResults:
+        receiving = {req_id for req_id, child in self._receiving.items() if child == child_index}
+        return KVConnectorTransferResults(
+            finished_sending={req_id for req_id, owed in self._owed_saves.items() if child_index in owed},
+            finished_recving=receiving,
+            failed_recving=receiving,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """The children's failed blocks, plus those of loads kvcompose gave up on."""
         failed: set[int] = set()
         for child in self.children:
-            failed |= child.get_block_ids_with_load_errors()
+            child_failed = child.get_block_ids_with_load_errors()
+            if child_failed is FAILED:
+                self._fail_loads(child.index)
+            else:
+                failed |= child_failed
+        failed |= self._load_errors
+        self._load_errors = set()
         return failed
 
     def get_finished_count(self) -> int | None:
@@ -261,6 +370,9 @@ class KVComposeConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """kvcompose's per-child call stats plus each child's own stats, since the last call."""
         stats = KVComposeStats(data={CHILDREN_KEY: self._recorder.take()})
+        for child, guard in zip(self.children, self._guards, strict=True):
+            if (report := guard.take_report()) is not None:
+                stats.breakers[child.name] = report
         for child in self.children:
             if (child_stats := child.get_kv_connector_stats()) is not None:
                 stats.native[child.name] = NativeStats(child.class_path, child_stats)
@@ -286,38 +398,60 @@ class KVComposeConnector(KVConnectorBase_V1):
         if choice.num_tokens is None:
             return None, False
         if choice.child_index is None:
-            self._loading_child.pop(request.request_id, None)
+            self._loading.pop(request.request_id, None)
         else:
-            self._loading_child[request.request_id] = choice.child_index
+            self._loading[request.request_id] = _ChosenLoader(choice.child_index, num_computed_tokens, choice.load_async)
         return choice.num_tokens, choice.load_async
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        index = self._loading_child.get(request.request_id)
-        if index is None:
+        chosen = self._loading.get(request.request_id)
+        if chosen is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
-        return self.children[index].get_external_cache_hit_sources(request, num_external_tokens)
+        return self.children[chosen.child].get_external_cache_hit_sources(request, num_external_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        return self.children[self._loading_child[request.request_id]].get_loaded_kv_cache_group_ids(request)
+        return self.children[self._loading[request.request_id].child].get_loaded_kv_cache_group_ids(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The loading child gets the external token count; every other child
-        gets the request's real blocks with 0 external tokens."""
-        loading = self._loading_child.get(request.request_id)
+        gets the request's real blocks with 0 external tokens. The load is
+        planned for the workers, or cancelled if the loading child failed."""
+        chosen = self._loading.get(request.request_id)
+        loading = chosen.child if chosen is not None and num_external_tokens > 0 else None
+        accepted = True
         for child in self.children:
-            child.update_state_after_alloc(request, blocks, num_external_tokens if child.index == loading else 0)
+            if child.index == loading:
+                accepted = child.update_state_after_alloc(request, blocks, num_external_tokens) is not FAILED
+            else:
+                child.update_state_after_alloc(request, blocks, 0)
+        if chosen is not None and loading is not None:
+            plan = LoadPlan(loading, external_block_ids(blocks, chosen.local_tokens, num_external_tokens,
+                                                        self._block_size), chosen.load_async)
+            (self._planned_loads if accepted else self._cancelled_loads)[request.request_id] = plan
 
     def on_new_request(self, request: Request) -> None:
         for child in self.children:
             child.on_new_request(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVComposeMetadata:
+        """Each child's metadata, and what the workers need to repair failures.
+        A child that fails here sends none, and its planned loads are cancelled."""
+        per_child = []
+        for child in self.children:
+            child_metadata = child.build_connector_meta(scheduler_output)
+            if child_metadata is FAILED:
+                child_metadata = None
+                for req_id in [r for r, plan in self._planned_loads.items() if plan.child == child.index]:
+                    self._cancelled_loads[req_id] = self._planned_loads.pop(req_id)
+            per_child.append(child_metadata)
         metadata = KVComposeMetadata(
-            per_child=tuple(child.build_connector_meta(scheduler_output) for child in self.children)
+            per_child=tuple(per_child),
+            async_saves=self._async_savers or None,
+            loads=self._planned_loads or None,
+            cancelled_loads=self._cancelled_loads or None,
+            traced_requests=self._tracing.step_requests(scheduler_output),
         )
-        if self._extra_async_saves:
-            metadata.extra_async_saves, self._extra_async_saves = self._extra_async_saves, {}
-        metadata.traced_requests = self._tracing.step_requests(scheduler_output)
+        self._async_savers, self._planned_loads, self._cancelled_loads = {}, {}, {}
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -345,13 +479,14 @@ class KVComposeConnector(KVConnectorBase_V1):
         self, request: Request, finish: Callable[[Child], tuple[bool, dict[str, Any] | None]]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Ask every child; merge their kv_transfer_params (a key clash is an
-        error) and count async saves so the request is reported sent once."""
-        async_saves = 0
+        error) and note its async savers so the request is reported sent once."""
+        async_savers: list[int] = []
         params: dict[str, Any] | None = None
         try:
             for child in self.children:
                 saves_async, child_params = finish(child)
-                async_saves += bool(saves_async)
+                if saves_async:
+                    async_savers.append(child.index)
                 if child_params is not None:
                     if params is None:
                         params = child_params
@@ -363,11 +498,11 @@ class KVComposeConnector(KVConnectorBase_V1):
                     else:
                         params.update(child_params)
         finally:
-            self._loading_child.pop(request.request_id, None)
+            self._loading.pop(request.request_id, None)
             self._tracing.request_finished(request)
-        if async_saves > 1:
-            self._extra_async_saves[request.request_id] = async_saves - 1
-        return async_saves > 0, self._pairing.stamp(params)
+        if async_savers:
+            self._async_savers[request.request_id] = tuple(async_savers)
+        return bool(async_savers), self._pairing.stamp(params)
 
     def register_finished_partial_tail(
         self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]

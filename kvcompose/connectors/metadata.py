@@ -9,14 +9,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvcompose.tracing import TracedRequest
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    """A child's load of one request, as the scheduler decided it."""
+
+    child: int  # index of the loading child
+    block_ids: tuple[int, ...]  # the blocks it fills (first KV cache group)
+    load_async: bool
+
+
 @dataclass
 class KVComposeMetadata(KVConnectorMetadata):
     """One metadata object per child (pipeline order), plus shared bookkeeping."""
 
     per_child: tuple[KVConnectorMetadata | None, ...]
-    # request id -> how many async savers beyond the first still owe a
-    # finished_sending for it; lets workers report a request once all are done.
-    extra_async_saves: dict[str, int] | None = None
+    # request id -> indices of the children that save it asynchronously; the
+    # workers report it sent once all of them are done (or have failed).
+    async_saves: dict[str, tuple[int, ...]] | None = None
+    # Loads decided since the previous step, so a worker whose loading child
+    # fails can report them for recompute; and loads the scheduler already
+    # knows will not happen (the child failed while accepting them).
+    loads: dict[str, LoadPlan] | None = None
+    cancelled_loads: dict[str, LoadPlan] | None = None
     # The step's sampled requests, so worker-side spans join their traces.
     traced_requests: tuple[TracedRequest, ...] | None = None
 

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from kvcompose.metrics.native import NativeStats
-from kvcompose.metrics.stats import CHILDREN_KEY, NATIVE_KEY
+from kvcompose.metrics.stats import BREAKERS_KEY, CHILDREN_KEY, NATIVE_KEY
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -91,9 +91,22 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "pipeline", CONNECTOR_LABEL, "connector_class", "position"],
             multiprocess_mode="mostrecent",
         )
+        self.child_state = self._gauge_cls(
+            "kvcompose_child_state",
+            "Each child's circuit breaker: 0 closed (called), 1 open (skipped), 2 half-open (probing). "
+            "The worst state across the engine's processes.",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+        )
+        self.breaker_opens = self._counter_cls(
+            "kvcompose_circuit_breaker_opens_total",
+            "Times a child's circuit breaker opened after consecutive failures.",
+            labelnames=names,
+        )
         for engine_labels in per_engine_labelvalues.values():
             for spec in specs:
                 info.labels(*engine_labels, pipeline.name, spec.name, spec.class_name, str(spec.index)).set(1)
+                self.child_state.labels(*engine_labels, spec.name).set(0)
         self._native = _NativeChildMetrics(metric_types, labelnames, per_engine_labelvalues, specs)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -116,6 +129,9 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
             _inc(self.matched_tokens.labels(*labels), counters["matched_tokens"])
             _inc(self.loaded_tokens.labels(*labels), counters["loaded_tokens"])
             _inc(self.load_error_blocks.labels(*labels), counters["load_error_blocks"])
+        for child, breaker in transfer_stats_data.get(BREAKERS_KEY, {}).items():
+            self.child_state.labels(*engine_labels, child).set(breaker["state"])
+            _inc(self.breaker_opens.labels(*engine_labels, child), breaker["opens"])
         for child, entry in transfer_stats_data.get(NATIVE_KEY, {}).items():
             self._native.observe(child, entry, engine_idx)
 

@@ -5,7 +5,8 @@ The payload is plain data (it crosses processes as a dict)::
     {"children": {child: {"ops": {op: {"n": [per-bucket counts], "s": [per-bucket sums]}},
                           "errors": {op: {error_type: count}},
                           "counters": {counter: value}}},
-     "native": {child: {"class": "module:Class", "stats": <the child's own stats dict>}}}
+     "native": {child: {"class": "module:Class", "stats": <the child's own stats dict>}},
+     "breakers": {child: {"state": 0 closed | 1 open | 2 half-open, "opens": count}}}
 
 Its size is bounded by children x operations x buckets, whatever the traffic.
 """
@@ -22,6 +23,7 @@ from kvcompose.metrics.native import NativeStats
 
 CHILDREN_KEY = "children"
 NATIVE_KEY = "native"
+BREAKERS_KEY = "breakers"
 
 
 def _add_counts(mine: dict[str, int], theirs: dict[str, int]) -> dict[str, int]:
@@ -53,6 +55,10 @@ class KVComposeStats(KVConnectorStats):
     def native(self) -> dict[str, NativeStats]:
         return self.data.setdefault(NATIVE_KEY, {})
 
+    @property
+    def breakers(self) -> dict[str, dict[str, int]]:
+        return self.data.setdefault(BREAKERS_KEY, {})
+
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> KVComposeStats:
         """Rebuild from a payload that crossed a process boundary (or not)."""
@@ -60,12 +66,14 @@ class KVComposeStats(KVConnectorStats):
         for name, entry in payload.get(NATIVE_KEY, {}).items():
             if (stats := NativeStats.from_payload(entry)) is not None:
                 native[name] = stats
-        return cls(data={CHILDREN_KEY: dict(payload.get(CHILDREN_KEY, {})), NATIVE_KEY: native})
+        return cls(data={CHILDREN_KEY: dict(payload.get(CHILDREN_KEY, {})), NATIVE_KEY: native,
+                         BREAKERS_KEY: dict(payload.get(BREAKERS_KEY, {}))})
 
     def to_dict(self) -> dict[str, Any]:
         return {
             CHILDREN_KEY: self.children,
             NATIVE_KEY: {name: stats.to_dict() for name, stats in self.native.items()},
+            BREAKERS_KEY: self.breakers,
         }
 
     def aggregate(self, other: KVConnectorStats) -> KVComposeStats:
@@ -77,10 +85,18 @@ class KVComposeStats(KVConnectorStats):
         for name, stats in other.native.items():
             mine_native = self.native.get(name)
             self.native[name] = stats if mine_native is None else mine_native.merged(stats)
+        for name, breaker in other.breakers.items():
+            mine_breaker = self.breakers.get(name)
+            # The worst state of any process (scheduler, workers) shows.
+            self.breakers[name] = breaker if mine_breaker is None else {
+                "state": max(mine_breaker["state"], breaker["state"]),
+                "opens": mine_breaker["opens"] + breaker["opens"],
+            }
         return self
 
     def reset(self) -> None:
         self.children.clear()
+        self.breakers.clear()
         for stats in self.native.values():
             stats.stats.reset()
 
@@ -102,4 +118,6 @@ class KVComposeStats(KVConnectorStats):
         return reduced
 
     def is_empty(self) -> bool:
-        return not self.children and all(stats.stats.is_empty() for stats in self.native.values())
+        return (
+            not self.children and not self.breakers and all(stats.stats.is_empty() for stats in self.native.values())
+        )

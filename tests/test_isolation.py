@@ -1,0 +1,167 @@
+"""on_error and the circuit breaker, driven call by call over scripted children.
+
+A failing child never stops the others; what it cannot do is reported to vLLM
+the way vLLM repairs it: a failed load as blocks to recompute (sync) or a
+failed receive (async), a failed async save as done so the blocks are freed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvcompose.connectors.isolation import BreakerState
+from kvcompose.testing import recording
+
+from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
+
+
+def _pair(vllm_config_with: Callable, scripts: dict[str, dict[str, Any]], **hot: Any) -> tuple[Any, Any]:
+    children = []
+    for name, script in scripts.items():
+        key = f"isolation/{name}"
+        recording.CALL_LOGS.pop(key, None)
+        children.append({"name": name, **RECORDING, "config": {"log": key, "script": script},
+                         **(hot if name == "hot" else {})})
+    return composite_pair(vllm_config_with, {"version": 1, "name": "iso", "children": children})
+
+
+def _calls(name: str, method: str) -> int:
+    return sum(1 for entry in recording.CALL_LOGS[f"isolation/{name}"] if entry[0] == method)
+
+
+def _step(scheduler: Any, worker: Any, new: list[Any] = (), finished: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+    worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=new)))
+    worker.start_load_kv(None)
+    for layer in range(2):
+        worker.wait_for_layer_load(f"layer.{layer}")
+        worker.save_kv_layer(f"layer.{layer}", None, None)
+    worker.wait_for_save()
+    results = worker.get_transfer_results(set(finished))
+    load_errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    return {"sent": results.finished_sending, "received": results.finished_recving,
+            "failed": results.failed_recving, "load_errors": load_errors}
+
+
+def _hit(scheduler: Any, request: Any, local: int = 0, blocks: tuple[int, ...] = (1, 2, 3)) -> tuple[int | None, bool]:
+    answer = scheduler.get_num_new_matched_tokens(request, local)
+    scheduler.update_state_after_alloc(request, make_blocks(*blocks), answer[0])
+    return answer
+
+
+def test_failed_lookup_is_a_miss_and_the_next_child_answers(vllm_config_with: Callable) -> None:
+    scheduler, _ = _pair(vllm_config_with, {"hot": {"raises": ["get_num_new_matched_tokens"]},
+                                            "cold": {"matches": {"r1": [[32, False]]}}})
+    assert scheduler.get_num_new_matched_tokens(make_request("r1"), 0) == (32, False)
+    stats = scheduler.get_kv_connector_stats()
+    assert stats.children["hot"]["errors"] == {"lookup": {"ScriptedFailure": 1}}
+    assert stats.children["cold"]["counters"]["lookup_hits"] == 1
+
+
+def test_failed_saves_do_not_stop_the_other_child(vllm_config_with: Callable) -> None:
+    scheduler, worker = _pair(vllm_config_with, {"hot": {"raises": ["save_kv_layer", "wait_for_save"]}, "cold": {}})
+    _step(scheduler, worker, new=[make_request("r1")])
+    assert _calls("hot", "save_kv_layer") == 2  # tried on both layers
+    assert _calls("cold", "save_kv_layer") == 2 and _calls("cold", "wait_for_save") == 1
+
+
+def test_on_error_raise_lets_the_error_reach_vllm(vllm_config_with: Callable) -> None:
+    _, worker = _pair(vllm_config_with, {"hot": {"raises": ["save_kv_layer"]}, "cold": {}}, on_error="raise")
+    with pytest.raises(recording.ScriptedFailure):
+        worker.save_kv_layer("layer.0", None, None)
+    assert _calls("cold", "save_kv_layer") == 0
+
+
+@pytest.mark.parametrize("failing", ["start_load_kv", "wait_for_layer_load", "bind_connector_metadata",
+                                     "get_block_ids_with_load_errors", "update_state_after_alloc",
+                                     "build_connector_meta"])
+def test_a_load_the_child_cannot_make_is_reported_for_recompute(
+    vllm_config_with: Callable, base_vllm_config: Any, failing: str
+) -> None:
+    block = base_vllm_config.cache_config.block_size
+    scheduler, worker = _pair(vllm_config_with, {"hot": {"matches": {"r1": [[2 * block, False]]}, "raises": [failing]},
+                                                 "cold": {}})
+    request = make_request("r1")
+    assert _hit(scheduler, request, local=block, blocks=(7, 8, 9, 10)) == (2 * block, False)
+    # One local block (7); the loaded tokens go to the next two.
+    assert _step(scheduler, worker, new=[request])["load_errors"] == {8, 9}
+    assert _step(scheduler, worker)["load_errors"] == set()  # reported once
+
+
+def test_an_async_load_the_child_cannot_make_is_a_failed_receive(vllm_config_with: Callable) -> None:
+    scheduler, worker = _pair(vllm_config_with, {"hot": {"matches": {"r1": [[32, True]]},
+                                                         "raises": ["get_transfer_results"]}, "cold": {}})
+    request = make_request("r1")
+    assert _hit(scheduler, request) == (32, True)
+    outcome = _step(scheduler, worker)
+    assert outcome["failed"] == {"r1"} and outcome["received"] == {"r1"}
+    assert outcome["load_errors"] == set()
+    assert _step(scheduler, worker)["failed"] == set()
+
+
+def test_async_save_is_reported_once_when_one_saver_fails(vllm_config_with: Callable) -> None:
+    scheduler, worker = _pair(vllm_config_with, {
+        "hot": {"async_saves": ["r1"], "raises": ["get_transfer_results"]},
+        "cold": {"async_saves": ["r1"], "finished_sending": [[], ["r1"]]},
+    })
+    request = make_request("r1")
+    assert scheduler.request_finished(request, [1, 2]) == (True, None)
+    first = _step(scheduler, worker, finished={"r1"})
+    second = _step(scheduler, worker)
+    assert first["sent"] == set()  # hot gave up, cold still owes it
+    assert second["sent"] == {"r1"}
+    assert worker._owed_saves == {}
+
+
+def test_circuit_opens_skips_the_child_then_probes_and_closes(vllm_config_with: Callable) -> None:
+    breaker = {"failures": 2, "cooldown_s": 0.2}
+    scheduler, worker = _pair(vllm_config_with, {"hot": {"raises": ["get_num_new_matched_tokens", "save_kv_layer"]},
+                                                 "cold": {}}, circuit_breaker=breaker)
+
+    for index in range(5):
+        scheduler.get_num_new_matched_tokens(make_request(f"r{index}"), 0)
+    assert _calls("hot", "get_num_new_matched_tokens") == 2  # opened after 2 failures, then skipped
+    assert scheduler.get_kv_connector_stats().breakers["hot"] == {"state": BreakerState.OPEN, "opens": 1}
+
+    for layer in range(4):
+        worker.save_kv_layer(f"layer.{layer}", None, None)
+    assert _calls("hot", "save_kv_layer") == 2
+    assert _calls("cold", "save_kv_layer") == 4
+    assert worker._layer_saves == (worker.children[1].save_kv_layer,)  # left out of the per-layer loop
+
+    time.sleep(0.25)
+    scheduler.children[0].connector.script["raises"] = []  # the tier recovers
+    scheduler.get_num_new_matched_tokens(make_request("probe"), 0)
+    scheduler.get_num_new_matched_tokens(make_request("after"), 0)
+    assert _calls("hot", "get_num_new_matched_tokens") == 4
+    assert scheduler.get_kv_connector_stats().breakers["hot"] == {"state": BreakerState.CLOSED, "opens": 0}
+    scheduler.get_num_new_matched_tokens(make_request("later"), 0)
+    assert "hot" not in scheduler.get_kv_connector_stats().breakers  # closed and unchanged: not reported
+
+
+def test_a_failed_probe_opens_the_circuit_again(vllm_config_with: Callable) -> None:
+    breaker = {"failures": 1, "cooldown_s": 0.1}
+    scheduler, _ = _pair(vllm_config_with, {"hot": {"raises": ["get_num_new_matched_tokens"]}, "cold": {}},
+                         circuit_breaker=breaker)
+    scheduler.get_num_new_matched_tokens(make_request("a"), 0)
+    time.sleep(0.15)
+    scheduler.get_num_new_matched_tokens(make_request("b"), 0)  # the probe fails
+    scheduler.get_num_new_matched_tokens(make_request("c"), 0)  # skipped again
+    assert _calls("hot", "get_num_new_matched_tokens") == 2
+    assert scheduler.get_kv_connector_stats().breakers["hot"] == {"state": BreakerState.OPEN, "opens": 2}
+
+
+def test_nothing_stays_behind_after_requests_finish(vllm_config_with: Callable) -> None:
+    scheduler, worker = _pair(vllm_config_with, {"hot": {"matches": {"r1": [[32, False]]}, "async_saves": ["r1"],
+                                                         "finished_sending": [[], ["r1"]]}, "cold": {}})
+    request = make_request("r1")
+    _hit(scheduler, request)
+    _step(scheduler, worker, new=[request])
+    scheduler.request_finished(request, [1, 2])
+    _step(scheduler, worker)
+    _step(scheduler, worker)
+    assert scheduler.request_state_sizes() == worker.request_state_sizes() == {}
