@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from kvcompose.config import Pipeline, load_pipeline
+from kvcompose.config import load_pipeline
 from kvcompose.dashboard import dashboard_json, provisioning_files
 from kvcompose.errors import PipelineConfigError
 from kvcompose.render import file_reference, kv_transfer_config
+from kvcompose.schema import pipeline_json_schema
 from kvcompose.source import read_pipeline_source
 
 EXIT_USAGE = 2
@@ -67,7 +68,7 @@ def _render(args: argparse.Namespace) -> None:
 
 
 def _schema(args: argparse.Namespace) -> None:
-    print(json.dumps(Pipeline.model_json_schema(), indent=2))
+    print(json.dumps(pipeline_json_schema(), indent=2))
 
 
 def _dashboard(args: argparse.Namespace) -> None:

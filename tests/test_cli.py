@@ -86,6 +86,10 @@ def test_schema_validates_every_example_pipeline() -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"version": 1, "name": "x", "children": [{"name": "a", "connector": "C", "typo": 1}]},
                             schema)
+    enabled = {"version": 1, "name": "x", "children": [{"name": "a", "connector": "C"}]}
+    jsonschema.validate({**enabled, "tracing": {"enabled": "${TRACING:-false}"}}, schema)  # resolved at load
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**enabled, "tracing": {"enabled": "yes please"}}, schema)
 
 
 def test_cli_does_not_import_vllm() -> None:
