@@ -200,8 +200,8 @@ def test_a_request_through_the_proxy_decodes_the_plain_tokens_from_nixl(
     stored_tokens = (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE  # whole blocks, the last token left out
     assert load_file(layers[0])["kv_cache"].shape[0] == stored_tokens
 
-    # The same prompt again: the prefill server loads it from its storage tier,
-    # the decode server still gets it over NIXL, the tokens stay the same.
+    # The same prompt again: the prefill server loads it from its storage tier
+    # before handing it over, and the tokens stay the same.
     assert pd_pair.complete(prompt)["choices"][0]["text"] == expected
     prefill = _settled(pd_pair.prefill, lambda m: _total(m, "kvcompose_loaded_tokens_total", connector="store")
                        > _total(prefill_before, "kvcompose_loaded_tokens_total", connector="store"))
