@@ -25,7 +25,7 @@ import yaml
 from kvcompose.dashboard import QUERIES
 
 from .dashboard_support import (
-    NATIVE_PIPELINE, dashboards, fill, label_values_parts, metrics_read, query_and_scope, targets, variable_queries,
+    NATIVE_PIPELINE, dashboards, fill, label_values_parts, query_and_scope, targets, variable_queries,
 )
 
 STEP_S = 15
@@ -204,21 +204,12 @@ def test_every_dashboard_query_gives_the_known_answer(name: str, tmp_path: Path)
     run_promtool(SERIES, cases, tmp_path)
 
 
-# Exported once issue 7 (circuit breaker) lands; until then its panel is checked on synthetic series only.
-NOT_YET_EXPORTED = {"kvcompose_child_state"}
-
-
 def test_every_query_reads_what_the_real_metric_classes_export(vllm_config_with: Callable, tmp_path: Path) -> None:
     """kvcompose's Prometheus metrics for a pipeline of an OffloadingConnector ("hot") and a NIXL ("cold")
     child, built by vLLM's own classes (no GPU needed) and fed one of every stat, then scraped as text:
     every dashboard query must find series in it. Catches renamed metrics and lost labels."""
-    exposition = _real_exposition(vllm_config_with)
-    names = {sample.name for family in exposition for sample in family.samples}
-    for metric in NOT_YET_EXPORTED:
-        assert metric not in names, f"{metric} is exported now: drop it from NOT_YET_EXPORTED (and MAY_BE_EMPTY " \
-                                    "in test_dashboard_live.py)"
     series = []
-    for family in exposition:
+    for family in _real_exposition(vllm_config_with):
         grows = family.type in ("counter", "histogram")
         for sample in family.samples:
             if sample.name.endswith("_created"):
@@ -227,8 +218,7 @@ def test_every_query_reads_what_the_real_metric_classes_export(vllm_config_with:
             series.append((f"{sample.name}{{{labels}}}", f"0+{sample.value}x{SAMPLES}" if grows else gauge(sample.value)))
     everything = {"model_name": "m", "engine": "0", "connector": ".*", "op": ".*"}
     cases = [expr_test(f"group({fill(target.expr, everything, RATE_INTERVAL)})", [({}, 1)])
-             for name in ("committed", "native-pipeline") for target in targets(DASHBOARDS[name])
-             if not metrics_read(target.expr) & NOT_YET_EXPORTED]
+             for name in ("committed", "native-pipeline") for target in targets(DASHBOARDS[name])]
     assert len(cases) > 40
     run_promtool(series, cases, tmp_path)
 

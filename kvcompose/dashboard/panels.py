@@ -47,7 +47,7 @@ CHILD_CALLS: tuple[PanelSpec, ...] = (
     PanelSpec(
         "Circuit breaker state",
         "kvcompose_child_state: closed (calls go through), open (child skipped), half-open (probing).",
-        "none", (q.CHILD_STATE,), kind="state-timeline", width=24, height=5, no_value="no breaker state",
+        "none", (q.CHILD_STATE,), kind="state-timeline", width=24, height=5,
         states=(State(0, "closed", "green"), State(1, "open", "red"), State(2, "half-open", "orange")),
     ),
 )
