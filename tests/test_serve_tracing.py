@@ -60,6 +60,7 @@ def test_completion_with_traceparent_yields_kvcompose_spans_in_that_trace(
     assert {span.parent_span_id for span in kvcompose if span.name in ("kvcompose.load", "kvcompose.save")} <= request_ids
     assert all(span.parent_span_id not in ("", *request_ids) for span in requests)
     assert {span.service for span in kvcompose} == {"kvcompose"}
+    assert len({span.span_id for span in spans}) == len(spans)
 
     # Ids, counts and timings only: no attribute outside kvcompose's keys, no prompt word in any value.
     for span in kvcompose:

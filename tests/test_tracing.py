@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +16,7 @@ from kvcompose.testing import recording
 from kvcompose.tracing import NoTracing, set_tracer_provider
 from kvcompose.tracing import attributes as attr
 from kvcompose.config import TracingSection
-from kvcompose.tracing.provider import provider_for, traces_url
+from kvcompose.tracing.provider import OsRandomIdGenerator, provider_for, traces_url
 
 from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
 
@@ -193,3 +194,12 @@ def test_tracing_off_wraps_nothing(vllm_config_with: Callable, exporter: Any) ->
 ])
 def test_endpoint_accepts_a_base_url_or_a_traces_url(endpoint: str, url: str) -> None:
     assert traces_url(endpoint) == url
+
+
+def test_ids_do_not_repeat_when_pythons_random_is_seeded_alike() -> None:
+    """vLLM seeds ``random`` the same way in every process of a prefill/decode pair."""
+    generator = OsRandomIdGenerator()
+    random.seed(0)
+    first = (generator.generate_trace_id(), generator.generate_span_id())
+    random.seed(0)
+    assert (generator.generate_trace_id(), generator.generate_span_id()) != first

@@ -8,12 +8,14 @@ queue is full instead of slowing generation or growing memory.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from urllib.parse import urlsplit
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from kvcompose.config import TracingSection
@@ -45,11 +47,30 @@ def provider_for(section: TracingSection) -> TracerProvider:
         return provider
 
 
+class OsRandomIdGenerator(IdGenerator):
+    """Trace and span ids from the OS's randomness.
+
+    The SDK's default draws from Python's ``random``, which vLLM seeds alike in
+    every engine and worker process: two servers of a prefill/decode pair
+    would then hand out the same span ids inside one trace.
+    """
+
+    def generate_span_id(self) -> int:
+        return secrets.randbits(64) or 1
+
+    def generate_trace_id(self) -> int:
+        return secrets.randbits(128) or 1
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
 def _build_provider(section: TracingSection) -> TracerProvider:
     # shutdown_on_exit (the default) flushes what is queued when the process exits.
     provider = TracerProvider(
         resource=Resource.create({SERVICE_NAME: section.service_name}),
         sampler=ParentBased(TraceIdRatioBased(section.sample_ratio)),
+        id_generator=OsRandomIdGenerator(),
     )
     if (exporter := _exporter(section)) is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=MAX_QUEUED_SPANS))
