@@ -443,7 +443,8 @@ def test_vllm_recomputes_the_blocks_a_lying_child_did_not_load(
             "seed": 1, "faults": {"lie": 1.0},
             "inner": {"connector": "ExampleConnector", "config": {"shared_storage_path": str(store)}}}},
     ]}
-    config = {**kv_transfer_config(load_pipeline(pipeline), pipeline), "kv_load_failure_policy": "recompute"}
+    config = kv_transfer_config(load_pipeline(pipeline), pipeline)
+    assert config["kv_load_failure_policy"] == "recompute"  # load.on_failure's default; vLLM's own is "fail"
     llm = start_llm(tiny_model, config)
     try:
         # A cold store misses: nothing to lie about, the prompts are computed and saved.
