@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
+import secrets
 import subprocess
 import sys
 import time
@@ -43,8 +44,13 @@ class PairOptions:
 
 
 @pytest.fixture(scope="module")
-def pair_options() -> PairOptions:
-    return PairOptions()
+def pair_options(otlp_receiver: Any) -> PairOptions:
+    """Both servers trace (vLLM and kvcompose) to the session's OTLP receiver."""
+    return PairOptions(
+        env={"KVCOMPOSE_TRACING": "true", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp_receiver.endpoint,
+             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
+        args=["--otlp-traces-endpoint", otlp_receiver.endpoint],
+    )
 
 
 @dataclass
@@ -207,6 +213,32 @@ def test_a_request_through_the_proxy_decodes_the_plain_tokens_from_nixl(
                        > _total(prefill_before, "kvcompose_loaded_tokens_total", connector="store"))
     assert (_total(prefill, "kvcompose_loaded_tokens_total", connector="store")
             - _total(prefill_before, "kvcompose_loaded_tokens_total", connector="store")) == stored_tokens
+
+
+def test_one_trace_holds_both_servers_spans(pd_pair: DisaggregatedPair, otlp_receiver: Any) -> None:
+    """Prefill lookup, save to the storage tier, the NIXL hand-over and the decode-side load, in the caller's trace."""
+    trace_id = secrets.token_hex(16)
+    pd_pair.complete(prompt_words(seed=33, length=96), headers={"traceparent": f"00-{trace_id}-{'1' * 16}-01"})
+
+    def kvcompose_calls(spans: list[Any]) -> set[tuple[str, str, str]]:
+        return {(span.service, span.name, span.attributes.get("kvcompose.connector.name", ""))
+                for span in spans if span.name.startswith("kvcompose.")}
+
+    wanted = {
+        ("kvcompose-prefill", "kvcompose.lookup", "nixl"), ("kvcompose-prefill", "kvcompose.lookup", "store"),
+        ("kvcompose-prefill", "kvcompose.save", "store"), ("kvcompose-prefill", "kvcompose.request_finished", "nixl"),
+        ("kvcompose-decode", "kvcompose.lookup", "nixl"), ("kvcompose-decode", "kvcompose.load", "nixl"),
+    }
+    deadline = time.monotonic() + SETTLE_S
+    while not wanted <= kvcompose_calls(spans := [s for s in otlp_receiver.received() if s.trace_id == trace_id]):
+        assert time.monotonic() < deadline, sorted(kvcompose_calls(spans))
+        time.sleep(0.5)
+
+    handed_over = [s for s in spans if s.service == "kvcompose-prefill" and s.name == "kvcompose.request_finished"
+                   and s.attributes["kvcompose.connector.name"] == "nixl"]
+    assert [s.attributes["kvcompose.save.async"] for s in handed_over] == [True]  # NIXL sends after the request ends
+    assert sum(s.name == "llm_request" for s in spans) == 2  # vLLM's own span on each server
+    assert len({s.span_id for s in spans}) == len(spans)  # ids stay apart across the two servers
 
 
 def test_ten_concurrent_requests_complete_and_leave_nothing_waiting(

@@ -237,14 +237,21 @@ class KVComposeConnector(KVConnectorBase_V1):
         if plan.load_async:
             self._receiving.pop(req_id, None)
             self._failed_recvs.add(req_id)
-        else:
-            self._load_errors.update(plan.block_ids)
+            return
+        self._load_errors.update(plan.block_ids)
+        # This step's forward reads blocks that were never filled: what it saves
+        # would poison the other tiers, so no child saves a layer until the step ends.
+        if self._layer_saves:
+            self._layer_saves = ()
+            logger.warning("layer saves skipped for this step after a failed load", request_id=req_id,
+                           connector=self.children[plan.child].name)
 
     def clear_connector_metadata(self) -> None:
         for child in self.children:
             child.clear_connector_metadata()
         super().clear_connector_metadata()
         self._step_loads = {}
+        self._bind_layer_calls()
         self._tracing.end_step()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
