@@ -26,7 +26,8 @@ pytestmark = pytest.mark.engine
 
 CHILDREN = ["hot", "cold"]
 # Series a healthy run of two ExampleConnector children cannot produce:
-MAY_BE_EMPTY = {"kvcompose_call_errors_total"}  # a series appears with a child's first exception
+# Series that appear with a child's first exception, and its breaker's first opening:
+MAY_BE_EMPTY = {"kvcompose_call_errors_total", "kvcompose_circuit_breaker_opens_total"}
 NATIVE_PREFIXES = ("vllm:kv_offload_", "vllm:nixl_")  # no OffloadingConnector or NIXL child is served
 ALL = ".*"  # what Grafana sends for a variable set to "All"
 VARIABLES = {"model_name": ALL, "engine": ALL, "connector": ALL, "op": ALL}
@@ -62,7 +63,7 @@ def test_every_panel_query_returns_data_after_a_workload(served_pipeline: Any, p
             _check_values(query.name, result)
     assert checked > 30
     assert set(empty_allowed) == {
-        "error_rate", "offload_load_bytes", "offload_store_bytes", "offload_load_bandwidth",
+        "error_rate", "breaker_opens", "offload_load_bytes", "offload_store_bytes", "offload_load_bandwidth",
         "offload_store_bandwidth", "offload_lookup_p99", "offload_cpu_usage", "offload_allocation_failures",
         "nixl_transfer_p50", "nixl_transfer_p99", "nixl_bytes", "nixl_failed_transfers", "nixl_expired_requests"}
 

@@ -91,6 +91,8 @@ SERIES: list[tuple[str, str]] = [
     (f"kvcompose_load_error_blocks_total{{{COLD}}}", counter(2)),
     (f"kvcompose_child_state{{{HOT}}}", gauge(0)),
     (f"kvcompose_child_state{{{COLD}}}", gauge(2)),
+    (f"kvcompose_circuit_breaker_opens_total{{{HOT}}}", counter(0)),
+    (f"kvcompose_circuit_breaker_opens_total{{{COLD}}}", counter(0.25)),
     # OffloadingConnector on "hot": 1024 B/s loaded in 1/1024 s/s of transfer time = 2^20 B/s while
     # transferring; 512 B/s stored in the same time = 2^19 B/s.
     ("vllm:kv_offload_load_bytes_total{%s}" % HOT, counter(1024)),
@@ -117,6 +119,7 @@ for decoy in DECOYS:
         (f'kvcompose_call_errors_total{{{decoy}, op="lookup", error_type="OSError"}}', counter(1)),
         (f"kvcompose_load_error_blocks_total{{{decoy}}}", counter(1)),
         (f"kvcompose_child_state{{{decoy}}}", gauge(1)),
+        (f"kvcompose_circuit_breaker_opens_total{{{decoy}}}", counter(1)),
         *((f"vllm:kv_offload_{name}_total{{{decoy}}}", counter(1)) for name in (
             "load_bytes", "load_time", "store_bytes", "store_time", "allocation_failure")),
         *histogram("vllm:kv_offload_lookup_sync_delay_seconds", decoy, SLOW),
@@ -155,6 +158,7 @@ EXPECTED: dict[str, list[tuple[dict[str, str], float]]] = {
                    ({"connector": "hot", "op": "start_load_kv", "error_type": "TimeoutError"}, 0.5)],
     "load_error_blocks": hot_cold(0, 2),
     "child_state": hot_cold(0, 2),
+    "breaker_opens": hot_cold(0, 0.25),
     "offload_load_bytes": [({"connector": "hot"}, 1024)],
     "offload_store_bytes": [({"connector": "hot"}, 512)],
     "offload_load_bandwidth": [({"connector": "hot"}, 2**20)],
@@ -273,7 +277,8 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
         entries.append(1)
     native = {"hot": NativeStats(class_path(specs["hot"].connector_cls), offload).to_dict(),
               "cold": NativeStats(class_path(specs["cold"].connector_cls), nixl).to_dict()}
-    prom.observe({"children": children, "native": native}, 0)
+    breakers = {child: {"state": 2, "opens": 1} for child in specs}
+    prom.observe({"children": children, "breakers": breakers, "native": native}, 0)
     return list(text_string_to_metric_families(generate_latest(registry).decode()))
 
 

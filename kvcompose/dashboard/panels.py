@@ -47,8 +47,13 @@ CHILD_CALLS: tuple[PanelSpec, ...] = (
     PanelSpec(
         "Circuit breaker state",
         "kvcompose_child_state: closed (calls go through), open (child skipped), half-open (probing).",
-        "none", (q.CHILD_STATE,), kind="state-timeline", width=24, height=5,
+        "none", (q.CHILD_STATE,), kind="state-timeline", width=16, height=6,
         states=(State(0, "closed", "green"), State(1, "open", "red"), State(2, "half-open", "orange")),
+    ),
+    PanelSpec(
+        "Circuit breaker opens",
+        "Times the child's breaker opened: shows flapping that the state panel, sampled at each scrape, can miss.",
+        "count:opens/s", (q.BREAKER_OPENS,), width=8, height=6, min=0, no_value="never opened",
     ),
 )
 

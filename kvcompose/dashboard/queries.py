@@ -94,6 +94,9 @@ LOAD_ERROR_BLOCKS = Query(
 )
 # Circuit-breaker state per child (0 closed, 1 open, 2 half-open).
 CHILD_STATE = Query("child_state", "{{connector}}", lambda s: f"max by (connector) ({selector('kvcompose_child_state', s)})")
+BREAKER_OPENS = Query(
+    "breaker_opens", "{{connector}}", lambda s: _sum_rate("connector", "kvcompose_circuit_breaker_opens_total", s)
+)
 
 # OffloadingConnector's own series (vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py).
 OFFLOAD_LOAD_BYTES = Query(
@@ -146,7 +149,7 @@ NIXL_EXPIRED_REQUESTS = Query(
 
 QUERIES: tuple[Query, ...] = (
     TOPOLOGY, LOOKUP_HIT_RATIO, LOADED_TOKENS, MATCHED_TOKENS, *LATENCY, CALL_RATE, ERROR_RATE,
-    LOAD_ERROR_BLOCKS, CHILD_STATE,
+    LOAD_ERROR_BLOCKS, CHILD_STATE, BREAKER_OPENS,
     OFFLOAD_LOAD_BYTES, OFFLOAD_STORE_BYTES, OFFLOAD_LOAD_BANDWIDTH, OFFLOAD_STORE_BANDWIDTH,
     OFFLOAD_LOOKUP_P99, OFFLOAD_CPU_USAGE, OFFLOAD_ALLOCATION_FAILURES,
     *NIXL_TRANSFER_TIME, NIXL_BYTES, NIXL_FAILED_TRANSFERS, NIXL_EXPIRED_REQUESTS,
