@@ -47,7 +47,8 @@ def kvcompose(*args: str) -> subprocess.CompletedProcess[str]:
 # --- freshness ---------------------------------------------------------------------------------
 
 def test_committed_dashboard_is_what_the_generator_writes() -> None:
-    assert COMMITTED_DASHBOARD.read_text() == dashboard_json(), f"dashboards/kvcompose.json is stale: run `{REGENERATE}`"
+    assert COMMITTED_DASHBOARD.read_text() == dashboard_json(), \
+        f"dashboards/kvcompose.json is stale: run `{REGENERATE}`"
 
 
 def test_committed_provisioning_is_what_the_generator_writes() -> None:
@@ -147,8 +148,8 @@ def test_the_issue_panels_are_present() -> None:
                    'connector=~"$connector", result="hit"}', "kvcompose_loaded_tokens_total",
                    "histogram_quantile(0.5, sum by (le, connector, op) (rate(kvcompose_call_duration_seconds_bucket",
                    "histogram_quantile(0.9,", "histogram_quantile(0.99,", "kvcompose_call_duration_seconds_count",
-                   "kvcompose_call_errors_total", "kvcompose_load_error_blocks_total", "vllm:kv_offload_load_bytes_total",
-                   "vllm:nixl_xfer_time_seconds_bucket"):
+                   "kvcompose_call_errors_total", "kvcompose_load_error_blocks_total", "kvcompose_child_state",
+                   "vllm:kv_offload_load_bytes_total", "vllm:nixl_xfer_time_seconds_bucket"):
         assert needle in exprs, needle
 
 

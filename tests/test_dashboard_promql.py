@@ -219,7 +219,8 @@ def test_every_query_reads_what_the_real_metric_classes_export(vllm_config_with:
             if sample.name.endswith("_created"):
                 continue
             labels = ", ".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
-            series.append((f"{sample.name}{{{labels}}}", f"0+{sample.value}x{SAMPLES}" if grows else gauge(sample.value)))
+            values = f"0+{sample.value}x{SAMPLES}" if grows else gauge(sample.value)
+            series.append((f"{sample.name}{{{labels}}}", values))
     everything = {"model_name": "m", "engine": "0", "connector": ".*", "op": ".*"}
     cases = [expr_test(f"group({fill(target.expr, everything, RATE_INTERVAL)})", [({}, 1)])
              for name in ("committed", "native-pipeline") for target in targets(DASHBOARDS[name])]

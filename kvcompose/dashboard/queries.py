@@ -93,7 +93,9 @@ LOAD_ERROR_BLOCKS = Query(
     "load_error_blocks", "{{connector}}", lambda s: _sum_rate("connector", "kvcompose_load_error_blocks_total", s)
 )
 # Circuit-breaker state per child (0 closed, 1 open, 2 half-open).
-CHILD_STATE = Query("child_state", "{{connector}}", lambda s: f"max by (connector) ({selector('kvcompose_child_state', s)})")
+CHILD_STATE = Query(
+    "child_state", "{{connector}}", lambda s: f"max by (connector) ({selector('kvcompose_child_state', s)})"
+)
 BREAKER_OPENS = Query(
     "breaker_opens", "{{connector}}", lambda s: _sum_rate("connector", "kvcompose_circuit_breaker_opens_total", s)
 )
