@@ -23,9 +23,11 @@ from opentelemetry import trace
 
 from kvcompose.config import ChildConfig
 from kvcompose.logs import get_logger
-from kvcompose.tracing.attributes import CONNECTOR_NAME, mark_error
+from kvcompose.tracing.attributes import CONNECTOR_NAME, mark_error, mark_skipped
 
 logger = get_logger("isolation")
+
+CIRCUIT_OPEN = "kvcompose.circuit_open"  # error.type of a call skipped while the circuit is open
 
 
 class _Failed:
@@ -107,6 +109,8 @@ class ChildGuard:
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if self.state is not BreakerState.CLOSED and not self.allows_call():
+                if (span := trace.get_current_span()).is_recording():
+                    mark_skipped(span, CIRCUIT_OPEN)
                 return fallback()
             try:
                 result = call(*args, **kwargs)

@@ -93,8 +93,8 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
         )
         self.child_state = self._gauge_cls(
             "kvcompose_child_state",
-            "Each child's circuit breaker: 0 closed (called), 1 open (skipped), 2 half-open (probing). "
-            "The worst state across the engine's processes.",
+            "Each child's circuit breaker: 0 closed (called), 1 open (skipped), 2 half-open (probing); "
+            "the worst of the engine's scheduler and workers at their last report.",
             labelnames=names,
             multiprocess_mode="mostrecent",
         )

@@ -15,6 +15,9 @@ class ChildSummary:
     lookups: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # result -> count
     matched_tokens: float = 0.0
     loaded_tokens: float = 0.0
+    load_error_blocks: float = 0.0
+    errors: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # op -> failed calls
+    breaker_opens: float = 0.0
     # op -> cumulative bucket counts by upper bound ("+Inf" last)
     latency_buckets: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(dict))
 
@@ -43,6 +46,12 @@ def summarize(exposition: str) -> dict[str, ChildSummary]:
                 row.matched_tokens += sample.value
             elif sample.name == "kvcompose_loaded_tokens_total":
                 row.loaded_tokens += sample.value
+            elif sample.name == "kvcompose_load_error_blocks_total":
+                row.load_error_blocks += sample.value
+            elif sample.name == "kvcompose_call_errors_total":
+                row.errors[sample.labels["op"]] += sample.value
+            elif sample.name == "kvcompose_circuit_breaker_opens_total":
+                row.breaker_opens += sample.value
             elif sample.name == "kvcompose_call_duration_seconds_bucket":
                 buckets = row.latency_buckets[sample.labels["op"]]
                 bound = float(sample.labels["le"])

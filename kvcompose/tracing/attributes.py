@@ -44,6 +44,17 @@ def mark_error(span: Span, error: BaseException) -> None:
     span.set_status(Status(StatusCode.ERROR, error_type.__name__))
 
 
+def mark_skipped(span: Span, reason: str) -> None:
+    """A call that was not made (its child's circuit is open)."""
+    span.set_attribute(ERROR_TYPE, reason)
+    span.set_status(Status(StatusCode.ERROR, reason))
+
+
+def is_error(span: Span) -> bool:
+    status = getattr(span, "status", None)  # recording SDK spans only
+    return status is not None and status.status_code is StatusCode.ERROR
+
+
 def _lookup(args: tuple[Any, ...], result: Any) -> Mapping[str, Any]:
     tokens, load_async = result
     attributes: dict[str, Any] = {COMPUTED_TOKENS: args[1], LOAD_ASYNC: bool(load_async)}

@@ -178,7 +178,8 @@ class PipelineTracer:
             except Exception as error:
                 attr.mark_error(span, error)
                 raise
-            if extract is not None:
+            # A call that failed or was skipped (marked by error isolation) has no result to describe.
+            if extract is not None and not attr.is_error(span):
                 span.set_attributes(extract(args, result))
             return result
 

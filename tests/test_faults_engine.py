@@ -1,0 +1,158 @@
+"""A broken first tier on a real engine: no lost request, no wrong token, and it shows.
+
+One in-process engine (scheduler and worker in this process, so the test can
+read the composite's own state) runs a pipeline whose first child raises on
+lookups, loads and saves at set, seeded rates, in front of a healthy second
+child. Its spans go to an in-memory exporter and, through a batch processor,
+to a collector that is not there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from kvcompose.config import TracingSection, load_pipeline
+from kvcompose.logs import ROOT_LOGGER
+from kvcompose.metrics.summary import summarize
+from kvcompose.render import kv_transfer_config
+from kvcompose.testing.tiny_model import prompt_words
+from kvcompose.tracing import set_tracer_provider
+from kvcompose.tracing.provider import provider_for
+
+from .engine_support import generate, start_llm
+from .server_support import free_port
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [prompt_words(seed=200 + i, length=96) for i in range(8)]
+FAULTS = {"raise": {"get_num_new_matched_tokens": 0.2, "start_load_kv": 0.5, "save_kv_layer": 0.3}}
+BREAKER = {"failures": 3, "cooldown_s": 0.5}
+
+
+class FaultyEngine:
+    def __init__(self, llm: Any, stores: dict[str, Path], spans: InMemorySpanExporter) -> None:
+        self.llm, self.stores, self.spans = llm, stores, spans
+
+    @property
+    def scheduler_side(self) -> Any:
+        return self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+    @property
+    def worker_side(self) -> Any:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group()
+
+    def metrics(self) -> dict[str, Any]:
+        from prometheus_client import generate_latest
+
+        return summarize(generate_latest().decode())
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultyEngine]:
+    import vllm.envs
+
+    root = tmp_path_factory.mktemp("faulty")
+    stores = {"flaky": root / "flaky", "cold": root / "cold"}
+    unreachable = f"http://127.0.0.1:{free_port()}/v1/traces"
+    tracing = {"enabled": True, "granularity": "step", "endpoint": unreachable}
+    pipeline = {"version": 1, "name": "faulty", "tracing": tracing, "children": [
+        {"name": "flaky", "connector": "FaultInjectionConnector", "module_path": "kvcompose.connectors",
+         "circuit_breaker": BREAKER,
+         "config": {"seed": 5, "faults": FAULTS, "inner": {
+             "connector": "ExampleConnector", "config": {"shared_storage_path": str(stores["flaky"])}}}},
+        {"name": "cold", "connector": "ExampleConnector", "config": {"shared_storage_path": str(stores["cold"])}},
+    ]}
+    # The pipeline's own provider (batch export to a collector that is not there), plus a copy in memory.
+    provider = provider_for(TracingSection(**tracing))
+    spans = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    set_tracer_provider(provider)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        vllm.envs.disable_envs_cache()
+        llm = start_llm(tiny_model, kv_transfer_config(load_pipeline(pipeline), pipeline), disable_log_stats=False)
+        try:
+            yield FaultyEngine(llm, stores, spans)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            set_tracer_provider(None)
+    vllm.envs.disable_envs_cache()
+
+
+@pytest.fixture(scope="module")
+def expected(plain_llm: Any) -> list[list[int]]:
+    return [tokens for tokens, _ in generate(plain_llm, PROMPTS)]
+
+
+def test_every_request_completes_with_the_plain_tokens(faulty: FaultyEngine, expected: list[list[int]]) -> None:
+    served_from_cache = 0
+    for _ in range(3):  # cold stores, then repeats served by whichever tier answers
+        outputs = generate(faulty.llm, PROMPTS)
+        assert [tokens for tokens, _ in outputs] == expected
+        served_from_cache += sum(cached for _, cached in outputs)
+    assert served_from_cache > 0  # the repeats did go through the tiers
+
+    # The healthy tier holds every prompt: the first round saved each one there.
+    assert len({path.parent for path in faulty.stores["cold"].rglob("*.safetensors")}) == len(PROMPTS)
+
+    flaky = faulty.metrics()["flaky"]
+    assert flaky.errors["lookup"] > 0 and flaky.errors["start_load_kv"] > 0
+    assert "cold" not in {name for name, row in faulty.metrics().items() if row.errors}
+
+    failed = [span for span in faulty.spans.get_finished_spans() if span.status.status_code is StatusCode.ERROR]
+    assert {span.attributes["kvcompose.connector.name"] for span in failed} == {"flaky"}
+    error_types = {span.attributes["error.type"] for span in failed}
+    assert "kvcompose.faults.InjectedFault" in error_types
+    assert error_types <= {"kvcompose.faults.InjectedFault", "kvcompose.circuit_open"}  # or skipped while open
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_the_circuit_breaker_opens_and_closes_again(faulty: FaultyEngine, expected: list[list[int]]) -> None:
+    log = _Lines()
+    logging.getLogger(ROOT_LOGGER).addHandler(log)
+    try:
+        transitions: set[str] = set()
+        for _ in range(6):  # the faults are random draws: give the breaker a few rounds to flap
+            assert [tokens for tokens, _ in generate(faulty.llm, PROMPTS)] == expected
+            transitions = {state for line in log.lines if "circuit breaker" in line
+                           for state in ("open", "half_open", "closed") if f"state={state}" in line}
+            if transitions == {"open", "half_open", "closed"}:
+                break
+            time.sleep(BREAKER["cooldown_s"])
+    finally:
+        logging.getLogger(ROOT_LOGGER).removeHandler(log)
+    assert transitions == {"open", "half_open", "closed"}
+    assert faulty.metrics()["flaky"].breaker_opens > 0
+    events = {event.attributes["state"] for span in faulty.spans.get_finished_spans() for event in span.events
+              if event.name == "kvcompose.circuit_breaker"}
+    assert "open" in events
+
+
+def test_a_soak_leaves_no_per_request_state_behind(faulty: FaultyEngine) -> None:
+    from vllm import SamplingParams
+
+    prompts = [prompt_words(seed=1000 + i, length=24) for i in range(500)]
+    outputs = faulty.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                                  use_tqdm=False)
+    assert len(outputs) == 500 and all(len(o.outputs[0].token_ids) == 2 for o in outputs)
+    assert faulty.scheduler_side.request_state_sizes() == {}
+    assert faulty.worker_side.request_state_sizes() == {}
