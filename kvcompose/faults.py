@@ -26,52 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvcompose.config import ChildConfig, LabelSafeName, did_you_mean, validation_problems
 from kvcompose.errors import PipelineConfigError
+from kvcompose.operations import CONNECTOR_OPERATIONS, HMA_OPERATIONS
 
 # Every connector operation FaultInjectionConnector passes to its inner
-# connector, and so every operation a fault may target.
-FAULT_OPERATIONS: tuple[str, ...] = (
-    # scheduler side
-    "get_num_new_matched_tokens",
-    "get_external_cache_hit_sources",
-    "get_loaded_kv_cache_group_ids",
-    "update_state_after_alloc",
-    "on_new_request",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "register_finished_partial_tail",
-    "take_events",
-    "has_pending_block_frees",
-    "has_pending_push_work",
-    "bind_kv_cache_manager",
-    "bind_gpu_block_pool",
-    "set_xfer_handshake_metadata",
-    "set_xfer_handshake_metadata_pp_aware",
-    "reset_cache",
-    # worker side
-    "register_kv_caches",
-    "set_host_xfer_buffer_ops",
-    "get_mem_pool_context",
-    "bind_connector_metadata",
-    "clear_connector_metadata",
-    "handle_preemptions",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "finish_forward",
-    "reset_capture_state",
-    "get_finished",
-    "get_transfer_results",
-    "get_block_ids_with_load_errors",
-    "get_finished_count",
-    "get_handshake_metadata",
-    "build_connector_worker_meta",
-    "get_kv_connector_kv_cache_events",
-    # both
-    "get_kv_connector_stats",
-    "shutdown",
-)
+# connector, and so every operation a fault may target (it does not support HMA).
+FAULT_OPERATIONS: tuple[str, ...] = tuple(op for op in CONNECTOR_OPERATIONS if op not in HMA_OPERATIONS)
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 

@@ -21,6 +21,17 @@ ENGINE_ARGS: dict[str, Any] = {
 }
 
 
+def example_tiers(name: str, stores: dict[str, Path]) -> dict[str, Any]:
+    """A pipeline of ExampleConnector children, one per named store directory, in order."""
+    return {
+        "version": 1, "name": name,
+        "children": [
+            {"name": child, "connector": "ExampleConnector", "config": {"shared_storage_path": str(path)}}
+            for child, path in stores.items()
+        ],
+    }
+
+
 def start_llm(model: Path, kv_transfer_config: dict[str, Any] | None = None, **overrides: Any) -> Any:
     os.environ.update(ENGINE_ENV)
     from vllm import LLM

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .server_support import free_port
+from .server_support import free_port, stop_process
 
 SCRAPE_INTERVAL_S = 1
 JOB = "vllm"
@@ -27,12 +27,7 @@ class PrometheusServer:
     log: Path
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
 
 
 def start_prometheus(target_url: str, root: Path) -> PrometheusServer:

@@ -18,6 +18,16 @@ from .engine_support import ENGINE_ENV
 STARTUP_TIMEOUT_S = 240
 
 
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """Terminate, then kill if it has not exited within 30 s."""
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -49,12 +59,7 @@ class Server:
             return response.read().decode()
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
 
 
 def start_server(model: Path, kv_transfer_config: str, log: Path, env: dict[str, str] | None = None,

@@ -18,7 +18,7 @@ from kvcompose.config import load_pipeline
 from kvcompose.render import kv_transfer_config
 from kvcompose.testing.tiny_model import prompt_words
 
-from .engine_support import generate, start_llm
+from .engine_support import example_tiers, generate, start_llm
 
 pytestmark = pytest.mark.engine
 
@@ -33,13 +33,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def compose_llm(tiny_model: Path, stores: dict[str, Path]) -> Any:
-    pipeline = {
-        "version": 1, "name": "e2e",
-        "children": [
-            {"name": name, "connector": "ExampleConnector", "config": {"shared_storage_path": str(path)}}
-            for name, path in stores.items()
-        ],
-    }
+    pipeline = example_tiers("e2e", stores)
     config = kv_transfer_config(load_pipeline(pipeline), pipeline)
     # No module path: kvcompose's vllm.general_plugins entry point registers the
     # class name with KVConnectorFactory in every vLLM process.

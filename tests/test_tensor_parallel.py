@@ -32,7 +32,7 @@ from kvcompose.config import load_pipeline
 from kvcompose.render import kv_transfer_config
 from kvcompose.testing.tiny_model import prompt_words
 
-from .engine_support import generate, start_llm
+from .engine_support import example_tiers, generate, start_llm
 
 pytestmark = pytest.mark.engine
 
@@ -51,13 +51,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def tp_llm(tiny_model: Path, stores: dict[str, Path]) -> Any:
-    pipeline = {
-        "version": 1, "name": "tp",
-        "children": [
-            {"name": name, "connector": "ExampleConnector", "config": {"shared_storage_path": str(path)}}
-            for name, path in stores.items()
-        ],
-    }
+    pipeline = example_tiers("tp", stores)
     # One core per worker (the CPU backend otherwise wants a NUMA node each);
     # set only while the engine's processes start, so later engines bind as usual.
     with pytest.MonkeyPatch.context() as env:

@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvcompose.config import ChildConfig, KVRole, Pipeline, load_pipeline
 from kvcompose.metrics.native import class_path
+from kvcompose.operations import CONNECTOR_OPERATIONS, NOT_FORWARDED_TO_CHILDREN
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -121,48 +122,7 @@ CallWrapper = Callable[[ChildSpec, str, Callable[..., Any]], Callable[..., Any]]
 # Every child method the composite calls. Each is reached as ``child.<name>``,
 # so observability (timing, spans) and error isolation can wrap any of them
 # once, at start-up, without touching the forwarding logic.
-CHILD_OPERATIONS: tuple[str, ...] = (
-    # scheduler side
-    "get_num_new_matched_tokens",
-    "get_external_cache_hit_sources",
-    "get_loaded_kv_cache_group_ids",
-    "update_state_after_alloc",
-    "on_new_request",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "request_finished_all_groups",
-    "register_finished_partial_tail",
-    "take_events",
-    "has_pending_block_frees",
-    "has_pending_push_work",
-    "bind_kv_cache_manager",
-    "bind_gpu_block_pool",
-    "set_xfer_handshake_metadata",
-    "set_xfer_handshake_metadata_pp_aware",
-    "reset_cache",
-    "get_kv_connector_stats",
-    # worker side
-    "register_kv_caches",
-    "set_host_xfer_buffer_ops",
-    "get_mem_pool_context",
-    "bind_connector_metadata",
-    "clear_connector_metadata",
-    "handle_preemptions",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "finish_forward",
-    "reset_capture_state",
-    "get_transfer_results",
-    "get_block_ids_with_load_errors",
-    "get_finished_count",
-    "get_handshake_metadata",
-    "build_connector_worker_meta",
-    # both
-    "shutdown",
-)
+CHILD_OPERATIONS: tuple[str, ...] = tuple(op for op in CONNECTOR_OPERATIONS if op not in NOT_FORWARDED_TO_CHILDREN)
 
 
 class Child:
