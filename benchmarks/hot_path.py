@@ -1,74 +1,116 @@
-"""Per-call cost of the per-layer hot path: a direct child call, vLLM's
-MultiConnector and KVComposeConnector (metrics off / on), with no-op children.
+"""Per-call cost of the calls vLLM makes on its hot path, through each kind of connector.
 
-All figures come from one run, side by side; compare the ratios, not the ns.
-Usage: .venv/bin/python benchmarks/hot_path.py
+Subjects, all over no-op children (see ``benchmarks/connectors.py``):
+
+- ``direct``: one child called directly (the floor is ``children`` such calls);
+- ``multi``: vLLM's MultiConnector;
+- ``kvc_bare``: KVComposeConnector, metrics and tracing off;
+- ``kvc_off``: KVComposeConnector as shipped: metrics on, tracing off;
+- ``kvc_request`` / ``kvc_step`` / ``kvc_layer``: metrics on, tracing at that
+  granularity. Spans are created and ended by the pipeline's own SDK tracer
+  provider with exporter ``none`` (no span processor), so the figures are the
+  cost of making spans; exporting is measured end to end.
+
+Worker-side calls run inside a bound step built by the scheduler-side composite
+from a real vLLM ``SchedulerOutput``: one sampled request in its first step,
+loaded by the first child. That step makes spans at every granularity (a load
+span, a save span per child, and with ``step`` or ``layer`` the step's spans),
+so it is the costliest step a request has.
+
+Scheduler side, ``get_num_new_matched_tokens`` repeats the lookup of one open
+request (its request span is started by the first lookup, as vLLM asks again
+while a request waits), and ``lookup+request_finished`` is a request's whole
+scheduler-side life in the composite: request span started, lookups, finished.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import timeit
 from typing import Any
 
-CALLS = 100_000
-NOOP = {"connector": "NoopConnector", "module_path": "kvcompose.testing.noop"}
-STATEMENTS = {
-    "save_kv_layer": "c.save_kv_layer('layer.0', None, None)",
-    "wait_for_layer_load": "c.wait_for_layer_load('layer.0')",
+from benchmarks.connectors import kvcompose_connector, multi_connector, pipeline
+from benchmarks.timing import per_call_ns
+
+CHILD_COUNTS = (2, 8)
+# name -> (metrics, tracing granularity or None)
+KVCOMPOSE_SUBJECTS: dict[str, tuple[bool, str | None]] = {
+    "kvc_bare": (False, None),
+    "kvc_off": (True, None),
+    "kvc_request": (True, "request"),
+    "kvc_step": (True, "step"),
+    "kvc_layer": (True, "layer"),
+}
+SUBJECTS = ("direct", "multi", *KVCOMPOSE_SUBJECTS)
+# operation -> (side, statement); ``c`` is the subject, ``request`` a real vLLM Request
+OPERATIONS: dict[str, tuple[str, str]] = {
+    "start_load_kv": ("worker", "c.start_load_kv(None)"),
+    "wait_for_layer_load": ("worker", "c.wait_for_layer_load('model.layers.0')"),
+    "save_kv_layer": ("worker", "c.save_kv_layer('model.layers.0', None, None)"),
+    "wait_for_save": ("worker", "c.wait_for_save()"),
+    "get_num_new_matched_tokens": ("scheduler", "c.get_num_new_matched_tokens(request, 0)"),
+    "lookup+request_finished": (
+        "scheduler", "c.get_num_new_matched_tokens(request, 0); c.request_finished(request, [])"
+    ),
 }
 
 
-def main() -> None:
-    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+def _bind_first_step(scheduler: Any, worker: Any) -> None:
+    """Schedule one request the first child loads and bind its first step, as vLLM orders the calls."""
+    from tests.connector_support import make_blocks, make_request, scheduler_output
 
-    from kvcompose.connectors import KVComposeConnector
-    from kvcompose.testing.tiny_model import ensure_tiny_model
+    request = make_request("bench-step")
+    tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, make_blocks(1, 2), tokens)
+    worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=[request])))
 
-    base = VllmConfig(
-        model_config=ModelConfig(model=str(ensure_tiny_model()), dtype="float32", max_model_len=512),
-        kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both"),
-    )
 
-    def config(kv_transfer: dict[str, Any]) -> VllmConfig:
-        built = copy.copy(base)
-        built.kv_transfer_config = KVTransferConfig(**kv_transfer)
-        return built
+def build_subjects(children: int) -> dict[str, dict[str, Any]]:
+    """side -> subject name -> connector, every kvcompose worker bound to the same kind of step."""
+    sides: dict[str, dict[str, Any]] = {}
+    for side in ("scheduler", "worker"):
+        multi = multi_connector(children, side)
+        sides[side] = {"direct": multi.sub_connectors[0], "multi": multi}
+    for name, (metrics, tracing) in KVCOMPOSE_SUBJECTS.items():
+        bench_pipeline = pipeline(children, metrics=metrics, tracing=tracing)
+        scheduler, worker = kvcompose_connector(bench_pipeline, "scheduler"), kvcompose_connector(bench_pipeline, "worker")
+        _bind_first_step(scheduler, worker)
+        sides["scheduler"][name], sides["worker"][name] = scheduler, worker
+    return sides
 
-    def compose(children: int, metrics: bool) -> KVComposeConnector:
-        pipeline = {"version": 1, "name": "bench", "metrics": {"enabled": metrics},
-                    "children": [{"name": f"c{i}", **NOOP} for i in range(children)]}
-        return KVComposeConnector(config({"kv_connector": "KVComposeConnector", "kv_role": "kv_both",
-                                          "kv_connector_module_path": "kvcompose.connectors",
-                                          "kv_connector_extra_config": {"pipeline": pipeline}}),
-                                  KVConnectorRole.WORKER, None)
 
-    results = []
-    for children in (2, 8):
-        multi_children = [{"kv_connector": NOOP["connector"], "kv_connector_module_path": NOOP["module_path"],
-                           "kv_role": "kv_both"}] * children
-        multi = MultiConnector(config({"kv_connector": "MultiConnector", "kv_role": "kv_both",
-                                       "kv_connector_extra_config": {"connectors": multi_children}}),
-                               KVConnectorRole.WORKER, None)
-        subjects = {"direct": multi.sub_connectors[0], "multi": multi,
-                    "kvcompose_metrics_off": compose(children, False), "kvcompose_metrics_on": compose(children, True)}
-        for op, statement in STATEMENTS.items():
-            ns = {name: min(timeit.repeat(statement, globals={"c": c}, number=CALLS, repeat=5)) / CALLS * 1e9
-                  for name, c in subjects.items()}
-            results.append({"children": children, "op": op, "ns": ns,
-                            "metrics_on_vs_multi": ns["kvcompose_metrics_on"] / ns["multi"],
-                            "metrics_off_vs_multi": ns["kvcompose_metrics_off"] / ns["multi"]})
-    print(f"{'children':>8} {'op':<20} {'direct':>8} {'multi':>8} {'kvc off':>8} {'kvc on':>8} {'on/multi':>9}")
-    for r in results:
-        ns = r["ns"]
-        print(f"{r['children']:>8} {r['op']:<20} {ns['direct']:>7.0f}n {ns['multi']:>7.0f}n "
-              f"{ns['kvcompose_metrics_off']:>7.0f}n {ns['kvcompose_metrics_on']:>7.0f}n "
-              f"{r['metrics_on_vs_multi']:>9.2f}")
-    print(json.dumps(results))
+def measure(rounds: int = 5, sample_s: float = 0.05, calls: int | None = None) -> list[dict[str, Any]]:
+    """One row per (operation, children): ns per call of every subject and the ratios to MultiConnector."""
+    from tests.connector_support import make_request
+
+    rows = []
+    for children in CHILD_COUNTS:
+        sides = build_subjects(children)
+        for operation, (side, statement) in OPERATIONS.items():
+            request = make_request(f"bench-{operation}")
+            subjects = {name: {"c": connector, "request": request} for name, connector in sides[side].items()}
+            ns = per_call_ns(statement, subjects, rounds=rounds, sample_s=sample_s, calls=calls)
+            rows.append({
+                "op": operation,
+                "children": children,
+                "ns": ns,
+                "vs_multi": {name: ns[name] / ns["multi"] for name in SUBJECTS if name != "multi"},
+                "off_vs_floor": ns["kvc_off"] / (children * ns["direct"]),
+            })
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: ns per call, and each kvcompose figure as a ratio to MultiConnector."""
+    header = ["op", "children", "direct", "multi", *(name.removeprefix("kvc_") for name in KVCOMPOSE_SUBJECTS),
+              "off / floor"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for row in rows:
+        ns, ratio = row["ns"], row["vs_multi"]
+        cells = [row["op"], str(row["children"]), f"{ns['direct']:.0f}", f"{ns['multi']:.0f}",
+                 *(f"{ns[name]:.0f} ({ratio[name]:.2f}x)" for name in KVCOMPOSE_SUBJECTS),
+                 f"{row['off_vs_floor']:.1f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    main()
+    print(table(measure()))
