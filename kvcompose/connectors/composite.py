@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -48,7 +48,8 @@ from kvcompose.connectors.children import (
     pipeline_from_vllm_config,
 )
 from kvcompose.connectors.isolation import FAILED, BreakerState, ChildGuard
-from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
+from kvcompose.connectors.ledger import SchedulerLedger, WorkerLedger
+from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata
 from kvcompose.connectors.pairing import PairingCheck, PipelineShape
 from kvcompose.connectors.policies import POLICIES
 from kvcompose.logs import configure_logging, get_logger
@@ -71,18 +72,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.request import Request
-
-
-class _ChosenLoader(NamedTuple):
-    child: int  # index of the child that loads the request
-    local_tokens: int  # tokens vLLM had computed locally when it asked
-    load_async: bool
-
-
-def external_block_ids(blocks: KVCacheBlocks, local_tokens: int, external_tokens: int, block_size: int) -> tuple[int, ...]:
-    """The blocks a load fills: those after the local prefix, in the first KV cache group."""
-    block_ids = blocks.get_block_ids()[0]
-    return tuple(block_ids[local_tokens // block_size : -(-(local_tokens + external_tokens) // block_size)])
 
 
 class KVComposeConnector(KVConnectorBase_V1):
@@ -108,7 +97,6 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._savers = tuple(c for c in self.children if c.save)
         self._bind_layer_calls()
         self._choose_loader = POLICIES[self.pipeline.load.policy]
-        self._block_size = vllm_config.cache_config.block_size
         self._check_hma(vllm_config)
         logger.info(
             "pipeline started", pipeline=self.pipeline.name, role=role.name.lower(),
@@ -119,19 +107,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         shape = PipelineShape.of(self.pipeline.name, (c.spec for c in self.children), hma_enabled)
         self._pairing = PairingCheck(shape)  # a prefill/decode pair's pipelines must match
-        # Scheduler side, per request id: the child chosen to load it; and, until
-        # the next metadata is built, loads planned or cancelled and async savers.
-        self._loading: dict[str, _ChosenLoader] = {}
-        self._planned_loads: dict[str, LoadPlan] = {}
-        self._cancelled_loads: dict[str, LoadPlan] = {}
-        self._async_savers: dict[str, tuple[int, ...]] = {}
-        # Worker side: this step's loads, async loads in flight (-> child index),
-        # children still owing an async save, and failures to report to vLLM.
-        self._step_loads: dict[str, LoadPlan] = {}
-        self._receiving: dict[str, int] = {}
-        self._owed_saves: dict[str, set[int]] = {}
-        self._load_errors: set[int] = set()
-        self._failed_recvs: set[str] = set()
+        self._scheduler_ledger = SchedulerLedger(vllm_config.cache_config.block_size)
+        self._worker_ledger = WorkerLedger()
 
     def _wrap_child_call(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
         """Where each child operation is wrapped, once, at start-up: timing
@@ -157,14 +134,21 @@ class KVComposeConnector(KVConnectorBase_V1):
             self._fail_loads(child.index)
         return True
 
+    def _fail_loads(self, child_index: int) -> None:
+        """The child failed this step: its loads go back to vLLM for recompute."""
+        if self._worker_ledger.fail_loads(child_index):
+            self._skip_layer_saves(self.children[child_index].name)
+
+    def _skip_layer_saves(self, failed_loader: str) -> None:
+        """This step's forward reads blocks that were never filled: what it saves
+        would poison the other tiers, so no child saves a layer until the step ends."""
+        if self._layer_saves:
+            self._layer_saves = ()
+            logger.warning("layer saves skipped for this step after a failed load", connector=failed_loader)
+
     def request_state_sizes(self) -> dict[str, int]:
         """Sizes of the per-request maps that are not empty; none should outlive its requests."""
-        maps: dict[str, Any] = {
-            "loading": self._loading, "planned_loads": self._planned_loads, "cancelled_loads": self._cancelled_loads,
-            "async_savers": self._async_savers, "step_loads": self._step_loads, "receiving": self._receiving,
-            "owed_saves": self._owed_saves, "load_errors": self._load_errors, "failed_recvs": self._failed_recvs,
-        }
-        sizes = {name: len(entries) for name, entries in maps.items() if entries}
+        sizes = {**self._scheduler_ledger.sizes(), **self._worker_ledger.sizes()}
         if self._tracing.open_requests:
             sizes["traced_requests"] = self._tracing.open_requests
         return sizes
@@ -210,47 +194,19 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(connector_metadata, KVComposeMetadata)
-        self._track_step(connector_metadata)
+        if self._worker_ledger.begin_step(connector_metadata):
+            self._skip_layer_saves("(cancelled by the scheduler)")
         self._tracing.begin_step(connector_metadata.traced_requests)
         for child, metadata in zip(self.children, connector_metadata.per_child, strict=True):
             if child.bind_connector_metadata(metadata) is FAILED:
                 self._fail_loads(child.index)
         super().bind_connector_metadata(connector_metadata)
 
-    def _track_step(self, metadata: KVComposeMetadata) -> None:
-        for req_id, savers in (metadata.async_saves or {}).items():
-            self._owed_saves[req_id] = set(savers)
-        self._step_loads = metadata.loads or {}
-        for req_id, plan in self._step_loads.items():
-            if plan.load_async:
-                self._receiving[req_id] = plan.child
-        for req_id, plan in (metadata.cancelled_loads or {}).items():
-            self._report_failed_load(req_id, plan)
-
-    def _fail_loads(self, child_index: int) -> None:
-        """The child failed this step: report its loads so vLLM recomputes them."""
-        for req_id, plan in self._step_loads.items():
-            if plan.child == child_index:
-                self._report_failed_load(req_id, plan)
-
-    def _report_failed_load(self, req_id: str, plan: LoadPlan) -> None:
-        if plan.load_async:
-            self._receiving.pop(req_id, None)
-            self._failed_recvs.add(req_id)
-            return
-        self._load_errors.update(plan.block_ids)
-        # This step's forward reads blocks that were never filled: what it saves
-        # would poison the other tiers, so no child saves a layer until the step ends.
-        if self._layer_saves:
-            self._layer_saves = ()
-            logger.warning("layer saves skipped for this step after a failed load", request_id=req_id,
-                           connector=self.children[plan.child].name)
-
     def clear_connector_metadata(self) -> None:
         for child in self.children:
             child.clear_connector_metadata()
         super().clear_connector_metadata()
-        self._step_loads = {}
+        self._worker_ledger.end_step()
         self._bind_layer_calls()
         self._tracing.end_step()
 
@@ -306,38 +262,10 @@ class KVComposeConnector(KVConnectorBase_V1):
         for child in self.children:
             child_results = child.get_transfer_results(finished_req_ids)
             if child_results is FAILED:
-                child_results = self._give_up_transfers(child.index)
-            results.finished_recving |= child_results.finished_recving
-            results.failed_recving |= child_results.failed_recving
-            for req_id in child_results.finished_recving:
-                self._receiving.pop(req_id, None)
-            for req_id in child_results.finished_sending:
-                if self._async_save_done(req_id, child.index):
-                    results.finished_sending.add(req_id)
-        if self._failed_recvs:
-            results.failed_recving |= self._failed_recvs
-            results.finished_recving |= self._failed_recvs
-            self._failed_recvs = set()
+                child_results = self._worker_ledger.given_up(child.index)
+            self._worker_ledger.settle(child.index, child_results, into=results)
+        self._worker_ledger.take_failed_recvs(into=results)
         return results
-
-    def _async_save_done(self, req_id: str, child_index: int) -> bool:
-        """Count one child's finished save; True when no other child still owes one."""
-        owed = self._owed_saves.get(req_id)
-        if owed is None:
-            return True
-        owed.discard(child_index)
-        if owed:
-            return False
-        del self._owed_saves[req_id]
-        return True
-
-    def _give_up_transfers(self, child_index: int) -> KVConnectorTransferResults:
-        receiving = {req_id for req_id, child in self._receiving.items() if child == child_index}
-        return KVConnectorTransferResults(
-            finished_sending={req_id for req_id, owed in self._owed_saves.items() if child_index in owed},
-            finished_recving=receiving,
-            failed_recving=receiving,
-        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The children's failed blocks, plus those of loads kvcompose gave up on."""
@@ -348,9 +276,7 @@ class KVComposeConnector(KVConnectorBase_V1):
                 self._fail_loads(child.index)
             else:
                 failed |= child_failed
-        failed |= self._load_errors
-        self._load_errors = set()
-        return failed
+        return failed | self._worker_ledger.take_load_errors()
 
     def get_finished_count(self) -> int | None:
         counts = [child.get_finished_count() for child in self.children]
@@ -404,26 +330,24 @@ class KVComposeConnector(KVConnectorBase_V1):
         )
         if choice.num_tokens is None:
             return None, False
-        if choice.child_index is None:
-            self._loading.pop(request.request_id, None)
-        else:
-            self._loading[request.request_id] = _ChosenLoader(choice.child_index, num_computed_tokens, choice.load_async)
+        self._scheduler_ledger.choose(request.request_id, choice.child_index, num_computed_tokens, choice.load_async)
         return choice.num_tokens, choice.load_async
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        chosen = self._loading.get(request.request_id)
+        chosen = self._scheduler_ledger.loading.get(request.request_id)
         if chosen is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return self.children[chosen.child].get_external_cache_hit_sources(request, num_external_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        return self.children[self._loading[request.request_id].child].get_loaded_kv_cache_group_ids(request)
+        chosen = self._scheduler_ledger.loading[request.request_id]
+        return self.children[chosen.child].get_loaded_kv_cache_group_ids(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The loading child gets the external token count; every other child
         gets the request's real blocks with 0 external tokens. The load is
         planned for the workers, or cancelled if the loading child failed."""
-        chosen = self._loading.get(request.request_id)
+        chosen = self._scheduler_ledger.loading.get(request.request_id)
         loading = chosen.child if chosen is not None and num_external_tokens > 0 else None
         accepted = True
         for child in self.children:
@@ -431,10 +355,8 @@ class KVComposeConnector(KVConnectorBase_V1):
                 accepted = child.update_state_after_alloc(request, blocks, num_external_tokens) is not FAILED
             else:
                 child.update_state_after_alloc(request, blocks, 0)
-        if chosen is not None and loading is not None:
-            plan = LoadPlan(loading, external_block_ids(blocks, chosen.local_tokens, num_external_tokens,
-                                                        self._block_size), chosen.load_async)
-            (self._planned_loads if accepted else self._cancelled_loads)[request.request_id] = plan
+        if loading is not None:
+            self._scheduler_ledger.plan_load(request.request_id, blocks, num_external_tokens, accepted)
 
     def on_new_request(self, request: Request) -> None:
         for child in self.children:
@@ -448,17 +370,12 @@ class KVComposeConnector(KVConnectorBase_V1):
             child_metadata = child.build_connector_meta(scheduler_output)
             if child_metadata is FAILED:
                 child_metadata = None
-                for req_id in [r for r, plan in self._planned_loads.items() if plan.child == child.index]:
-                    self._cancelled_loads[req_id] = self._planned_loads.pop(req_id)
+                self._scheduler_ledger.cancel_loads_of(child.index)
             per_child.append(child_metadata)
         metadata = KVComposeMetadata(
-            per_child=tuple(per_child),
-            async_saves=self._async_savers or None,
-            loads=self._planned_loads or None,
-            cancelled_loads=self._cancelled_loads or None,
-            traced_requests=self._tracing.step_requests(scheduler_output),
+            per_child=tuple(per_child), traced_requests=self._tracing.step_requests(scheduler_output)
         )
-        self._async_savers, self._planned_loads, self._cancelled_loads = {}, {}, {}
+        self._scheduler_ledger.fill(metadata)
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -505,10 +422,8 @@ class KVComposeConnector(KVConnectorBase_V1):
                     else:
                         params.update(child_params)
         finally:
-            self._loading.pop(request.request_id, None)
+            self._scheduler_ledger.finished(request.request_id, async_savers)
             self._tracing.request_finished(request)
-        if async_savers:
-            self._async_savers[request.request_id] = tuple(async_savers)
         return bool(async_savers), self._pairing.stamp(params)
 
     def register_finished_partial_tail(

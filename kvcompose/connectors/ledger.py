@@ -1,0 +1,159 @@
+"""The composite's per-request books: who loads what, who still owes a save.
+
+MultiConnector only needs to know which child loads a request and how many
+async saves a finished request still waits for. kvcompose also keeps what it
+takes to repair a child's failure the way vLLM expects: the blocks a load was
+to fill (so vLLM recomputes them), the async loads in flight (so a failed
+one is reported as a failed receive) and which children owe each async save
+(so a failed child's share is released and the request's blocks are freed).
+
+The scheduler's :class:`SchedulerLedger` hands its entries to the workers in
+each step's metadata; each worker's :class:`WorkerLedger` settles them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from kvcompose.connectors.metadata import KVComposeMetadata, LoadPlan
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+
+class ChosenLoader(NamedTuple):
+    child: int  # index of the child that loads the request
+    local_tokens: int  # tokens vLLM had computed locally when it asked
+    load_async: bool
+
+
+def external_block_ids(blocks: KVCacheBlocks, local_tokens: int, external_tokens: int, block_size: int) -> tuple[int, ...]:
+    """The blocks a load fills: those after the local prefix, in the first KV cache group."""
+    block_ids = blocks.get_block_ids()[0]
+    return tuple(block_ids[local_tokens // block_size : -(-(local_tokens + external_tokens) // block_size)])
+
+
+class SchedulerLedger:
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+        self.loading: dict[str, ChosenLoader] = {}  # request id -> the child chosen to load it
+        # Until the next step's metadata: loads planned or cancelled, async savers of finished requests.
+        self._planned: dict[str, LoadPlan] = {}
+        self._cancelled: dict[str, LoadPlan] = {}
+        self._async_savers: dict[str, tuple[int, ...]] = {}
+
+    def choose(self, req_id: str, child: int | None, local_tokens: int, load_async: bool) -> None:
+        if child is None:
+            self.loading.pop(req_id, None)
+        else:
+            self.loading[req_id] = ChosenLoader(child, local_tokens, load_async)
+
+    def plan_load(self, req_id: str, blocks: KVCacheBlocks, external_tokens: int, accepted: bool) -> None:
+        """Record the load the chosen child accepted (or failed to accept) for the workers."""
+        chosen = self.loading[req_id]
+        plan = LoadPlan(
+            chosen.child, external_block_ids(blocks, chosen.local_tokens, external_tokens, self._block_size),
+            chosen.load_async,
+        )
+        (self._planned if accepted else self._cancelled)[req_id] = plan
+
+    def cancel_loads_of(self, child: int) -> None:
+        for req_id in [r for r, plan in self._planned.items() if plan.child == child]:
+            self._cancelled[req_id] = self._planned.pop(req_id)
+
+    def finished(self, req_id: str, async_savers: list[int]) -> None:
+        self.loading.pop(req_id, None)
+        if async_savers:
+            self._async_savers[req_id] = tuple(async_savers)
+
+    def fill(self, metadata: KVComposeMetadata) -> None:
+        """Move what the workers need into this step's metadata."""
+        metadata.async_saves = self._async_savers or None
+        metadata.loads = self._planned or None
+        metadata.cancelled_loads = self._cancelled or None
+        self._async_savers, self._planned, self._cancelled = {}, {}, {}
+
+    def sizes(self) -> dict[str, int]:
+        entries = {"loading": self.loading, "planned_loads": self._planned, "cancelled_loads": self._cancelled,
+                   "async_savers": self._async_savers}
+        return {name: len(entries) for name, entries in entries.items() if entries}
+
+
+class WorkerLedger:
+    def __init__(self) -> None:
+        self._step_loads: dict[str, LoadPlan] = {}  # this step's loads
+        self._receiving: dict[str, int] = {}  # async loads in flight -> child index
+        self._owed_saves: dict[str, set[int]] = {}  # request id -> children still owing its async save
+        self._load_errors: set[int] = set()  # blocks to report for recompute
+        self._failed_recvs: set[str] = set()  # async loads to report as failed
+
+    def begin_step(self, metadata: KVComposeMetadata) -> bool:
+        """Take the step's entries; True if a load is already known to have failed."""
+        for req_id, savers in (metadata.async_saves or {}).items():
+            self._owed_saves[req_id] = set(savers)
+        self._step_loads = metadata.loads or {}
+        for req_id, plan in self._step_loads.items():
+            if plan.load_async:
+                self._receiving[req_id] = plan.child
+        return any([self._fail(req_id, plan) for req_id, plan in (metadata.cancelled_loads or {}).items()])
+
+    def end_step(self) -> None:
+        self._step_loads = {}
+
+    def fail_loads(self, child: int) -> bool:
+        """The child failed this step: its loads go back to vLLM. True if one was synchronous."""
+        return any([self._fail(req_id, plan) for req_id, plan in self._step_loads.items() if plan.child == child])
+
+    def _fail(self, req_id: str, plan: LoadPlan) -> bool:
+        if plan.load_async:
+            self._receiving.pop(req_id, None)
+            self._failed_recvs.add(req_id)
+            return False
+        self._load_errors.update(plan.block_ids)
+        return True
+
+    def settle(self, child: int, results: KVConnectorTransferResults, into: KVConnectorTransferResults) -> None:
+        """Add one child's transfer results; a request counts as sent once no child owes its save."""
+        into.finished_recving |= results.finished_recving
+        into.failed_recving |= results.failed_recving
+        for req_id in results.finished_recving:
+            self._receiving.pop(req_id, None)
+        for req_id in results.finished_sending:
+            if self._save_done(req_id, child):
+                into.finished_sending.add(req_id)
+
+    def _save_done(self, req_id: str, child: int) -> bool:
+        owed = self._owed_saves.get(req_id)
+        if owed is None:
+            return True
+        owed.discard(child)
+        if owed:
+            return False
+        del self._owed_saves[req_id]
+        return True
+
+    def given_up(self, child: int) -> KVConnectorTransferResults:
+        """What a failed child owed, as if it had finished: its saves done, its receives failed."""
+        receiving = {req_id for req_id, owner in self._receiving.items() if owner == child}
+        return KVConnectorTransferResults(
+            finished_sending={req_id for req_id, owed in self._owed_saves.items() if child in owed},
+            finished_recving=receiving,
+            failed_recving=receiving,
+        )
+
+    def take_failed_recvs(self, into: KVConnectorTransferResults) -> None:
+        if self._failed_recvs:
+            into.failed_recving |= self._failed_recvs
+            into.finished_recving |= self._failed_recvs
+            self._failed_recvs = set()
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def sizes(self) -> dict[str, int]:
+        entries = {"step_loads": self._step_loads, "receiving": self._receiving, "owed_saves": self._owed_saves,
+                   "load_errors": self._load_errors, "failed_recvs": self._failed_recvs}
+        return {name: len(entries) for name, entries in entries.items() if entries}
