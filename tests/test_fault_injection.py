@@ -445,7 +445,7 @@ def test_vllm_recomputes_the_blocks_a_lying_child_did_not_load(
     ]}
     config = kv_transfer_config(load_pipeline(pipeline), pipeline)
     assert config["kv_load_failure_policy"] == "recompute"  # load.on_failure's default; vLLM's own is "fail"
-    llm = start_llm(tiny_model, config)
+    llm = start_llm(tiny_model, config, disable_log_stats=False)
     try:
         # A cold store misses: nothing to lie about, the prompts are computed and saved.
         first = generate(llm, prompts)
@@ -464,6 +464,13 @@ def test_vllm_recomputes_the_blocks_a_lying_child_did_not_load(
         assert recovered == [
             f"Recovered from KV load failure: 2 request(s) rescheduled ({hit_tokens} tokens affected)."
         ]
+        # Counted against the lying child, a block per claimed block.
+        from prometheus_client import generate_latest
+
+        from kvcompose.metrics.summary import summarize
+
+        block_size = llm.llm_engine.vllm_config.cache_config.block_size
+        assert summarize(generate_latest().decode())["flaky"].load_error_blocks == hit_tokens // block_size
         # The inner connector loaded and saved nothing: its store is unchanged.
         assert {path: path.read_bytes() for path in store.rglob("*.safetensors")} == saved
     finally:

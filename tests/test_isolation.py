@@ -89,6 +89,7 @@ def test_a_load_the_child_cannot_make_is_reported_for_recompute(
     assert _hit(scheduler, request, local=block, blocks=(7, 8, 9, 10)) == (2 * block, False)
     # One local block (7); the loaded tokens go to the next two.
     assert _step(scheduler, worker, new=[request])["load_errors"] == {8, 9}
+    assert worker.get_kv_connector_stats().children["hot"]["counters"]["load_error_blocks"] == 2
     if failing != "get_block_ids_with_load_errors":  # known before the layers ran
         assert _calls("cold", "save_kv_layer") == 0  # nothing computed over unfilled blocks is stored
     assert _step(scheduler, worker)["load_errors"] == set()  # reported once

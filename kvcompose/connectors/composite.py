@@ -49,7 +49,7 @@ from kvcompose.connectors.children import (
 )
 from kvcompose.connectors.isolation import FAILED, BreakerState, ChildGuard
 from kvcompose.connectors.ledger import SchedulerLedger, WorkerLedger
-from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata
+from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
 from kvcompose.connectors.pairing import PairingCheck, PipelineShape
 from kvcompose.connectors.policies import POLICIES
 from kvcompose.logs import configure_logging, get_logger
@@ -136,15 +136,18 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def _fail_loads(self, child_index: int) -> None:
         """The child failed this step: its loads go back to vLLM for recompute."""
-        if self._worker_ledger.fail_loads(child_index):
-            self._skip_layer_saves(self.children[child_index].name)
+        self._loads_failed(self._worker_ledger.fail_loads(child_index))
 
-    def _skip_layer_saves(self, failed_loader: str) -> None:
-        """This step's forward reads blocks that were never filled: what it saves
-        would poison the other tiers, so no child saves a layer until the step ends."""
-        if self._layer_saves:
+    def _loads_failed(self, plans: list[LoadPlan]) -> None:
+        """Count the blocks per child. A failed synchronous load means this step's
+        forward reads blocks that were never filled: what it saves would poison
+        the other tiers, so no child saves a layer until the step ends."""
+        for plan in plans:
+            self._recorder.count_load_errors(self.children[plan.child].name, len(plan.block_ids))
+        if self._layer_saves and any(not plan.load_async for plan in plans):
             self._layer_saves = ()
-            logger.warning("layer saves skipped for this step after a failed load", connector=failed_loader)
+            logger.warning("layer saves skipped for this step after a failed load",
+                           connector=sorted({self.children[plan.child].name for plan in plans}))
 
     def request_state_sizes(self) -> dict[str, int]:
         """Sizes of the per-request maps that are not empty; none should outlive its requests."""
@@ -194,8 +197,7 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(connector_metadata, KVComposeMetadata)
-        if self._worker_ledger.begin_step(connector_metadata):
-            self._skip_layer_saves("(cancelled by the scheduler)")
+        self._loads_failed(self._worker_ledger.begin_step(connector_metadata))
         self._tracing.begin_step(connector_metadata.traced_requests)
         for child, metadata in zip(self.children, connector_metadata.per_child, strict=True):
             if child.bind_connector_metadata(metadata) is FAILED:

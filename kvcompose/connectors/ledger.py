@@ -89,30 +89,36 @@ class WorkerLedger:
         self._load_errors: set[int] = set()  # blocks to report for recompute
         self._failed_recvs: set[str] = set()  # async loads to report as failed
 
-    def begin_step(self, metadata: KVComposeMetadata) -> bool:
-        """Take the step's entries; True if a load is already known to have failed."""
+    def begin_step(self, metadata: KVComposeMetadata) -> list[LoadPlan]:
+        """Take the step's entries; returns the loads the scheduler already cancelled."""
         for req_id, savers in (metadata.async_saves or {}).items():
             self._owed_saves[req_id] = set(savers)
-        self._step_loads = metadata.loads or {}
+        self._step_loads = dict(metadata.loads or {})
         for req_id, plan in self._step_loads.items():
             if plan.load_async:
                 self._receiving[req_id] = plan.child
-        return any([self._fail(req_id, plan) for req_id, plan in (metadata.cancelled_loads or {}).items()])
+        cancelled = metadata.cancelled_loads or {}
+        for req_id, plan in cancelled.items():
+            self._fail(req_id, plan)
+        return list(cancelled.values())
 
     def end_step(self) -> None:
         self._step_loads = {}
 
-    def fail_loads(self, child: int) -> bool:
-        """The child failed this step: its loads go back to vLLM. True if one was synchronous."""
-        return any([self._fail(req_id, plan) for req_id, plan in self._step_loads.items() if plan.child == child])
+    def fail_loads(self, child: int) -> list[LoadPlan]:
+        """The child failed this step: its loads (not yet given back) go back to vLLM; returns them."""
+        failed = {req_id: plan for req_id, plan in self._step_loads.items() if plan.child == child}
+        for req_id, plan in failed.items():
+            del self._step_loads[req_id]
+            self._fail(req_id, plan)
+        return list(failed.values())
 
-    def _fail(self, req_id: str, plan: LoadPlan) -> bool:
+    def _fail(self, req_id: str, plan: LoadPlan) -> None:
         if plan.load_async:
             self._receiving.pop(req_id, None)
             self._failed_recvs.add(req_id)
-            return False
-        self._load_errors.update(plan.block_ids)
-        return True
+        else:
+            self._load_errors.update(plan.block_ids)
 
     def settle(self, child: int, results: KVConnectorTransferResults, into: KVConnectorTransferResults) -> None:
         """Add one child's transfer results; a request counts as sent once no child owes its save."""

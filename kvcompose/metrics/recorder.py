@@ -137,6 +137,11 @@ class PipelineRecorder:
     def wrap(self, child_name: str, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
         return metered(self.children[child_name], operation, call, self.per_layer) if self.enabled else call
 
+    def count_load_errors(self, child_name: str, blocks: int) -> None:
+        """Blocks of a load kvcompose gave back to vLLM after the child failed."""
+        if self.enabled:
+            self.children[child_name].counters["load_error_blocks"] += blocks
+
     def take(self) -> dict[str, dict[str, Any]]:
         """Per-child payloads since the last take; children with nothing to say are left out."""
         return {name: payload for name, recorder in self.children.items() if (payload := recorder.take()) is not None}
