@@ -108,6 +108,7 @@ def test_every_request_completes_with_the_plain_tokens(faulty: FaultyEngine, exp
 
     flaky = faulty.metrics()["flaky"]
     assert flaky.errors["lookup"] > 0 and flaky.errors["start_load_kv"] > 0
+    assert flaky.load_error_blocks > 0  # the failed loads' blocks, given back to vLLM for recompute
     assert "cold" not in {name for name, row in faulty.metrics().items() if row.errors}
 
     failed = [span for span in faulty.spans.get_finished_spans() if span.status.status_code is StatusCode.ERROR]
