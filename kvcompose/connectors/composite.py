@@ -198,7 +198,7 @@ class KVComposeConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(connector_metadata, KVComposeMetadata)
         self._loads_failed(self._worker_ledger.begin_step(connector_metadata))
-        self._tracing.begin_step(connector_metadata.traced_requests)
+        self._tracing.begin_step(connector_metadata.traced_requests, connector_metadata.loads)
         for child, metadata in zip(self.children, connector_metadata.per_child, strict=True):
             if child.bind_connector_metadata(metadata) is FAILED:
                 self._fail_loads(child.index)
@@ -374,10 +374,9 @@ class KVComposeConnector(KVConnectorBase_V1):
                 child_metadata = None
                 self._scheduler_ledger.cancel_loads_of(child.index)
             per_child.append(child_metadata)
-        metadata = KVComposeMetadata(
-            per_child=tuple(per_child), traced_requests=self._tracing.step_requests(scheduler_output)
-        )
+        metadata = KVComposeMetadata(per_child=tuple(per_child))
         self._scheduler_ledger.fill(metadata)
+        metadata.traced_requests = self._tracing.step_requests(scheduler_output, metadata.loads)
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

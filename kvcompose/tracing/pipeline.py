@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvcompose.connectors.children import ChildSpec
+    from kvcompose.connectors.metadata import LoadPlan
 
 # Scheduler-side child calls whose first argument is the request.
 REQUEST_OPERATIONS = frozenset({
@@ -57,7 +58,6 @@ class TracedRequest:
 
     request_id: str
     traceparent: str
-    loader: int | None  # index of the child that loads it in this step
     new: bool  # its first step: the prompt's KV is saved now
 
 
@@ -84,9 +84,9 @@ class PipelineTracer:
         self._layer_spans = pipeline.tracing.granularity == "layer"
         # Scheduler side.
         self._requests: dict[str, _RequestSpan] = {}
-        self._loads_since_last_step: dict[str, int] = {}
         # Worker side: the bound step.
         self._step: tuple[TracedRequest, ...] = ()
+        self._step_loaders: dict[str, int] = {}  # request id -> index of the child loading it
         self._step_contexts: dict[str, Context] = {}
         self._step_span: Span | None = None
         self._step_context: Context | None = None
@@ -119,7 +119,7 @@ class PipelineTracer:
         self, spec: ChildSpec, operation: str, name: str, base: Mapping[str, Any],
         extract: Callable[..., Mapping[str, Any]] | None, call: Callable[..., Any],
     ) -> Callable[..., Any]:
-        note_load = operation == "update_state_after_alloc"
+        note_loader = operation == "update_state_after_alloc"
 
         def traced(request: Request, *args: Any, **kwargs: Any) -> Any:
             entry = self._request_span(request)
@@ -127,9 +127,8 @@ class PipelineTracer:
                 return call(request, *args, **kwargs)
             attributes = {**base, attr.REQUEST_ID: request.request_id}
             result = self._in_span(name, entry.context, attributes, extract, call, (request, *args), kwargs)
-            if note_load and args[1] > 0:
+            if note_loader and args[1] > 0:
                 entry.span.set_attribute(attr.LOADED_BY, spec.name)
-                self._loads_since_last_step[request.request_id] = spec.index
             return result
 
         return traced
@@ -197,7 +196,7 @@ class PipelineTracer:
             span.end(end_time=end)
 
     def _loaded_by(self, index: int) -> Callable[[], list[TracedRequest]]:
-        return lambda: [request for request in self._step if request.loader == index]
+        return lambda: [request for request in self._step if self._step_loaders.get(request.request_id) == index]
 
     def _new_requests(self) -> list[TracedRequest]:
         return [request for request in self._step if request.new]
@@ -222,19 +221,20 @@ class PipelineTracer:
 
     def request_finished(self, request: Request) -> None:
         """End the request's span (after every child was told it finished)."""
-        self._loads_since_last_step.pop(request.request_id, None)
         if (entry := self._requests.pop(request.request_id, None)) is not None:
             entry.span.end()
 
-    def step_requests(self, scheduler_output: SchedulerOutput) -> tuple[TracedRequest, ...] | None:
-        """The sampled requests of the step being scheduled, for the workers."""
-        loads, self._loads_since_last_step = self._loads_since_last_step, {}
+    def step_requests(
+        self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None
+    ) -> tuple[TracedRequest, ...] | None:
+        """The sampled requests of the step being scheduled (new, loading and,
+        with step spans, all scheduled ones), for the workers."""
         new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
-        ids = set(loads) | new_ids
+        ids = new_ids | set(loads or ())
         if self._step_spans:
             ids.update(scheduler_output.scheduled_cached_reqs.req_ids)
         traced = tuple(
-            TracedRequest(req_id, entry.traceparent, loads.get(req_id), req_id in new_ids)
+            TracedRequest(req_id, entry.traceparent, req_id in new_ids)
             for req_id in ids
             if (entry := self._requests.get(req_id)) is not None and entry.traceparent is not None
         )
@@ -242,11 +242,12 @@ class PipelineTracer:
 
     # ---- worker side ----
 
-    def begin_step(self, requests: tuple[TracedRequest, ...] | None) -> None:
-        """Bind the step's sampled requests (called with the step's metadata)."""
+    def begin_step(self, requests: tuple[TracedRequest, ...] | None, loads: Mapping[str, LoadPlan] | None) -> None:
+        """Bind the step's sampled requests and its loads (from the step's metadata)."""
         if not requests:
             return
         self._step = requests
+        self._step_loaders = {req_id: plan.child for req_id, plan in (loads or {}).items()}
         self._step_contexts = {r.request_id: _PROPAGATOR.extract({"traceparent": r.traceparent}) for r in requests}
         if self._step_spans:
             links = [Link(trace.get_current_span(ctx).get_span_context()) for ctx in self._step_contexts.values()]
@@ -258,7 +259,8 @@ class PipelineTracer:
     def end_step(self) -> None:
         if self._step_span is not None:
             self._step_span.end()
-        self._step, self._step_contexts, self._step_span, self._step_context = (), {}, None, None
+        self._step, self._step_loaders, self._step_contexts = (), {}, {}
+        self._step_span, self._step_context = None, None
 
     def close(self) -> None:
         """End what is still open and export it (engine shutting down)."""
@@ -284,10 +286,10 @@ class NoTracing:
     def request_finished(self, request: Request) -> None:
         pass
 
-    def step_requests(self, scheduler_output: SchedulerOutput) -> None:
+    def step_requests(self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None) -> None:
         return None
 
-    def begin_step(self, requests: tuple[TracedRequest, ...] | None) -> None:
+    def begin_step(self, requests: tuple[TracedRequest, ...] | None, loads: Mapping[str, LoadPlan] | None) -> None:
         pass
 
     def end_step(self) -> None:
