@@ -14,7 +14,7 @@ demo: venv
 	$(VENV_PY) examples/demo.py
 
 bench: venv
-	$(VENV_PY) benchmarks/hot_path.py
+	$(VENV_PY) -m benchmarks
 
 clean:
 	rm -rf .venv .pytest_cache build *.egg-info

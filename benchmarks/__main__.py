@@ -1,0 +1,78 @@
+"""``make bench``: every benchmark, side by side in one run; a JSON result and markdown tables.
+
+Writes ``benchmarks/results/latest.json`` and ``latest.md`` and prints the
+markdown. ``--parts`` runs a subset (e.g. ``--parts hot_path,stats_merge``
+skips the engines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PARTS = ("hot_path", "stats_merge", "end_to_end")
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    import vllm
+
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                            cwd=RESULTS.parent).stdout.strip()
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "vllm": vllm.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit}
+
+
+def run(parts: tuple[str, ...], repetitions: int) -> tuple[dict[str, Any], str]:
+    from benchmarks import end_to_end, hot_path, stats_merge, targets
+
+    result: dict[str, Any] = {"machine": machine()}
+    sections, checks = [], []
+    if "hot_path" in parts:
+        result["hot_path"] = rows = hot_path.measure()
+        sections.append("### Hot path (ns per call; kvcompose as a ratio to MultiConnector)\n\n" + hot_path.table(rows))
+        checks += targets.hot_path_checks(rows)
+    if "stats_merge" in parts:
+        result["stats_merge"] = merged = stats_merge.measure()
+        sections.append("### Stats\n\n" + stats_merge.table(merged))
+        checks += targets.stats_checks(merged)
+    if "end_to_end" in parts:
+        result["end_to_end"] = e2e = end_to_end.measure(repetitions=repetitions)
+        sections.append(f"### End to end (CPU engine, tiny model, median of {repetitions} repetitions)\n\n"
+                        + end_to_end.table(e2e))
+        checks += targets.end_to_end_checks(e2e)
+    result["targets"] = targets.as_records(checks)
+    described = result["machine"]
+    header = (f"Measured {described['date']} on {described['cpu']} ({described['cores']} cores), "
+              f"vLLM {described['vllm']}, Python {described['python']}, kvcompose {described['commit']}.")
+    markdown = "\n\n".join([header, "### Targets\n\n" + targets.table(checks), *sections]) + "\n"
+    return result, markdown
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--repetitions", type=int, default=3, help="end-to-end repetitions per configuration")
+    args = parser.parse_args()
+    parts = tuple(part for part in args.parts.split(",") if part)
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    result, markdown = run(parts, args.repetitions)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / "latest.md").write_text(markdown)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Cost of merging the stats of many workers, and the size of what crosses processes.
+
+Each worker's payload comes from a real 16-child KVComposeConnector (no-op
+children, ``metrics.per_layer`` on: the largest payload) after one step, as
+vLLM reads it after every step. vLLM's KVOutputAggregator folds the workers'
+stats into one with ``aggregate``; the merged stats reach the front-end as a
+plain dict encoded with vLLM's msgpack encoder, whose size is measured here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.connectors import kvcompose_connector, pipeline
+from benchmarks.timing import per_call_ns
+
+WORKERS = 64
+CHILDREN = 16
+LAYERS = 2  # the tiny model's
+
+
+def _step(worker: Any) -> None:
+    """One forward step's worker-side calls, in vLLM's order."""
+    worker.start_load_kv(None)
+    for layer in range(LAYERS):
+        worker.wait_for_layer_load(f"model.layers.{layer}")
+        worker.save_kv_layer(f"model.layers.{layer}", None, None)
+    worker.wait_for_save()
+    worker.get_transfer_results(set())
+    worker.get_block_ids_with_load_errors()
+
+
+def _stats_after(worker: Any, steps: int) -> Any:
+    for _ in range(steps):
+        _step(worker)
+    return worker.get_kv_connector_stats()
+
+
+def merge(stats: list[Any]) -> Any:
+    """Fold the workers' stats as vLLM's KVOutputAggregator does."""
+    from kvcompose.metrics.stats import KVComposeStats
+
+    merged = KVComposeStats()
+    for worker_stats in stats:
+        merged = merged.aggregate(worker_stats)
+    return merged
+
+
+def wire_bytes(stats: Any) -> int:
+    """Size of the stats' dict as vLLM sends it from the engine to the front-end."""
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    return sum(len(buffer) for buffer in MsgpackEncoder().encode(stats.to_dict()))
+
+
+def measure(workers: int = WORKERS, children: int = CHILDREN, heavy_steps: int = 1000, rounds: int = 5,
+            calls: int | None = None) -> dict[str, Any]:
+    worker = kvcompose_connector(pipeline(children, per_layer=True), "worker")
+    payloads = [_stats_after(worker, 1) for _ in range(workers)]
+    ns = per_call_ns("merge(payloads)", {"merge": {"merge": merge, "payloads": payloads}}, rounds=rounds,
+                     calls=calls)["merge"]
+    one_step, many_steps = wire_bytes(payloads[0]), wire_bytes(_stats_after(worker, heavy_steps))
+    return {
+        "workers": workers,
+        "children": children,
+        "merge_ms": ns / 1e6,
+        "worker_payload_bytes": {"1_step": one_step, f"{heavy_steps}_steps": many_steps},
+        "payload_growth": many_steps / one_step,
+        "merged_payload_bytes": wire_bytes(merge(payloads)),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    sizes = result["worker_payload_bytes"]
+    (one_label, one), (many_label, many) = sizes.items()
+    return "\n".join([
+        "| measure | value |",
+        "| --- | --- |",
+        f"| merge {result['workers']} worker payloads of {result['children']} children | "
+        f"{result['merge_ms']:.3f} ms |",
+        f"| one worker's payload after {one_label.replace('_', ' ')} / {many_label.replace('_', ' ')} | "
+        f"{one} B / {many} B ({result['payload_growth']:.2f}x) |",
+        f"| merged payload ({result['workers']} workers) | {result['merged_payload_bytes']} B |",
+    ])
+
+
+if __name__ == "__main__":
+    print(table(measure()))

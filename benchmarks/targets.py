@@ -1,0 +1,71 @@
+"""The performance targets kvcompose holds itself to, checked against a benchmark run.
+
+Reported by ``make bench``, never asserted by tests: a shared machine's timings
+are not a pass/fail signal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+HOT_PATH_MAX_VS_MULTI = 1.0  # kvcompose (metrics on, tracing off) per call / MultiConnector's
+STEP_TRACING_MIN_VS_MULTI = 0.97  # tokens/s with tracing at step granularity / MultiConnector's
+UNREACHABLE_MIN_VS_OFF = 0.95  # tokens/s exporting to a closed port / tracing off
+# RSS growth over tracing off while exporting nowhere: the span queue holds at
+# most 4096 spans (provider.MAX_QUEUED_SPANS), a few KiB each.
+UNREACHABLE_MAX_EXTRA_RSS_MIB = 32.0
+MERGE_MAX_MS = 1.0
+PAYLOAD_MAX_GROWTH = 1.05  # a busier worker's payload may only grow by longer numbers
+
+
+@dataclass(frozen=True)
+class Check:
+    target: str
+    value: str
+    met: bool
+
+
+def hot_path_checks(rows: list[dict[str, Any]]) -> list[Check]:
+    return [
+        Check(f"{row['op']}, {row['children']} children: kvcompose (tracing off) <= "
+              f"{HOT_PATH_MAX_VS_MULTI}x MultiConnector",
+              f"{row['vs_multi']['kvc_off']:.2f}x", row["vs_multi"]["kvc_off"] <= HOT_PATH_MAX_VS_MULTI)
+        for row in rows
+    ]
+
+
+def stats_checks(result: dict[str, Any]) -> list[Check]:
+    return [
+        Check(f"merge {result['workers']} x {result['children']}-child payloads < {MERGE_MAX_MS} ms",
+              f"{result['merge_ms']:.3f} ms", result["merge_ms"] < MERGE_MAX_MS),
+        Check(f"payload size independent of traffic (growth <= {PAYLOAD_MAX_GROWTH}x)",
+              f"{result['payload_growth']:.3f}x", result["payload_growth"] <= PAYLOAD_MAX_GROWTH),
+    ]
+
+
+def end_to_end_checks(result: dict[str, Any]) -> list[Check]:
+    ratios, medians = result["ratios"], result["medians"]
+    checks = []
+    if (step := ratios.get("kvc_step / multi")) is not None:
+        checks.append(Check(f"tokens/s, tracing at step granularity >= {STEP_TRACING_MIN_VS_MULTI}x MultiConnector",
+                            f"{step['tokens_per_s']:.3f}x", step["tokens_per_s"] >= STEP_TRACING_MIN_VS_MULTI))
+    if (unreachable := ratios.get("kvc_unreachable / kvc_off")) is not None:
+        checks.append(Check(f"tokens/s, tracing endpoint unreachable >= {UNREACHABLE_MIN_VS_OFF}x tracing off",
+                            f"{unreachable['tokens_per_s']:.3f}x",
+                            unreachable["tokens_per_s"] >= UNREACHABLE_MIN_VS_OFF))
+        extra = medians["kvc_unreachable"]["rss_growth_mib"] - medians["kvc_off"]["rss_growth_mib"]
+        checks.append(Check(f"memory, tracing endpoint unreachable: RSS growth <= tracing off's + "
+                            f"{UNREACHABLE_MAX_EXTRA_RSS_MIB:.0f} MiB", f"{extra:+.1f} MiB",
+                            extra <= UNREACHABLE_MAX_EXTRA_RSS_MIB))
+    return checks
+
+
+def as_records(checks: list[Check]) -> list[dict[str, Any]]:
+    return [asdict(check) for check in checks]
+
+
+def table(checks: list[Check]) -> str:
+    lines = ["| target | measured | met |", "| --- | --- | --- |"]
+    lines += [f"| {check.target} | {check.value} | {'yes' if check.met else '**no**'} |" for check in checks]
+    return "\n".join(lines)

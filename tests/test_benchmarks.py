@@ -1,0 +1,126 @@
+"""The benchmarks still run: each one's core at a tiny scale, checking what it reports, never how fast.
+
+The end-to-end benchmark starts engines, so only its configurations and its
+summary are checked here; ``make bench`` runs it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from benchmarks import end_to_end, hot_path, stats_merge, targets
+from kvcompose.tracing import set_tracer_provider
+
+
+def _finite(values: Any) -> bool:
+    return all(math.isfinite(value) and value > 0 for value in values)
+
+
+def test_hot_path_times_every_subject_for_every_call() -> None:
+    rows = hot_path.measure(rounds=1, calls=20)
+
+    assert [(row["op"], row["children"]) for row in rows] == [
+        (op, children) for children in hot_path.CHILD_COUNTS for op in hot_path.OPERATIONS
+    ]
+    for row in rows:
+        assert set(row["ns"]) == set(hot_path.SUBJECTS) and _finite(row["ns"].values())
+        assert set(row["vs_multi"]) == set(hot_path.SUBJECTS) - {"multi"} and _finite(row["vs_multi"].values())
+        assert _finite([row["off_vs_floor"]])
+    assert len(hot_path.table(rows).splitlines()) == 2 + len(rows)
+    assert len(targets.hot_path_checks(rows)) == len(rows)
+
+
+def test_traced_subjects_make_spans_in_their_bound_step() -> None:
+    """Otherwise the traced columns would time the no-op path."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    set_tracer_provider(provider)
+    try:
+        worker = hot_path.build_subjects(2)["worker"]
+    finally:
+        set_tracer_provider(None)
+    exporter.clear()  # the spans of building the step
+
+    def spans_of(subject: str, statement: str) -> set[str]:
+        exporter.clear()
+        exec(statement, {"c": worker[subject]})
+        return {span.name for span in exporter.get_finished_spans()}
+
+    save = hot_path.OPERATIONS["wait_for_save"][1]
+    load = hot_path.OPERATIONS["start_load_kv"][1]
+    layer = hot_path.OPERATIONS["save_kv_layer"][1]
+    assert spans_of("kvc_request", save) == {"kvcompose.save"}
+    assert spans_of("kvc_request", load) == {"kvcompose.load"}
+    assert spans_of("kvc_step", save) == {"kvcompose.save", "kvcompose.wait_for_save"}
+    assert spans_of("kvc_step", layer) == set()
+    assert spans_of("kvc_layer", layer) == {"kvcompose.save_kv_layer"}
+    assert spans_of("kvc_off", save) == set()
+
+
+def test_stats_merge_sums_every_worker_and_sizes_the_payload() -> None:
+    result = stats_merge.measure(workers=4, children=3, heavy_steps=5, rounds=1, calls=1)
+
+    assert result["workers"] == 4 and result["children"] == 3
+    assert _finite([result["merge_ms"], result["payload_growth"], result["merged_payload_bytes"]])
+    assert list(result["worker_payload_bytes"]) == ["1_step", "5_steps"]
+    assert len(targets.stats_checks(result)) == 2
+    assert "merge 4 worker payloads of 3 children" in stats_merge.table(result)
+
+
+def test_stats_merge_adds_up_what_each_worker_counted() -> None:
+    from benchmarks.connectors import kvcompose_connector, pipeline
+
+    worker = kvcompose_connector(pipeline(2, per_layer=True), "worker")
+    merged = stats_merge.merge([stats_merge._stats_after(worker, steps) for steps in (1, 2, 3)])
+
+    for child in ("c0", "c1"):
+        ops = merged.children[child]["ops"]
+        assert sum(ops["start_load_kv"]["n"]) == 6
+        assert sum(ops["save_kv_layer"]["n"]) == 6 * stats_merge.LAYERS
+
+
+@pytest.mark.parametrize("name", end_to_end.CONFIGURATIONS)
+def test_end_to_end_configurations_are_valid_kv_transfer_configs(name: str, tmp_path: Path) -> None:
+    from vllm.config import KVTransferConfig
+
+    endpoints = {"kvc_step": "http://127.0.0.1:1/v1/traces", "kvc_unreachable": "http://127.0.0.1:2/v1/traces"}
+    config = end_to_end.kv_transfer_config(name, tmp_path, endpoints)
+    if name == "none":
+        assert config is None
+        return
+    KVTransferConfig(**config)
+    if name.startswith("kvc"):
+        tracing = config["kv_connector_extra_config"]["pipeline"].get("tracing", {})
+        assert tracing.get("enabled", False) == (name in endpoints)
+        assert tracing.get("endpoint") == endpoints.get(name)
+
+
+def test_end_to_end_summary_takes_ratios_within_each_repetition() -> None:
+    def figures(tokens_per_s: float, rss: float = 10.0) -> dict[str, float]:
+        return {"start_s": 5.0, "ttft_ms": 1000 / tokens_per_s, "tokens_per_s": tokens_per_s,
+                "rss_growth_mib": rss, "peak_rss_mib": 1800.0}
+
+    runs = [
+        {"none": figures(120), "multi": figures(100), "kvc_off": figures(100), "kvc_step": figures(98),
+         "kvc_unreachable": figures(96, rss=20.0)},
+        {"none": figures(60), "multi": figures(50), "kvc_off": figures(50), "kvc_step": figures(49),
+         "kvc_unreachable": figures(48, rss=20.0)},  # a slower machine: the same ratios
+        {"none": figures(240), "multi": figures(200), "kvc_off": figures(200), "kvc_step": figures(150),
+         "kvc_unreachable": figures(192, rss=20.0)},
+    ]
+    result = end_to_end.summarize(runs, spans_received=7)
+
+    assert result["ratios"]["kvc_step / multi"]["tokens_per_s"] == pytest.approx(0.98)
+    assert result["ratios"]["kvc_unreachable / kvc_off"]["tokens_per_s"] == pytest.approx(0.96)
+    assert result["medians"]["multi"]["tokens_per_s"] == 100
+    checks = {check.target: check for check in targets.end_to_end_checks(result)}
+    assert [check.met for check in checks.values()] == [True, True, True]
+    assert "| kvc_step / multi | 0.980 |" in end_to_end.table(result)
