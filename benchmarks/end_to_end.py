@@ -5,9 +5,11 @@ Configurations, each with two ExampleConnector children on fresh directories:
 - ``none``: no connector (the engine alone);
 - ``multi``: vLLM's MultiConnector;
 - ``kvc_off``: KVComposeConnector, metrics on, tracing off;
-- ``kvc_step``: tracing at step granularity, exported over OTLP/HTTP to a
-  receiver on loopback (in this process);
-- ``kvc_unreachable``: the same, exporting to a closed loopback port.
+- ``kvc_request``: tracing at request granularity (the default), exported
+  over OTLP/HTTP to a collector stand-in on loopback that reads and discards
+  each export (in this process);
+- ``kvc_step``: the same at step granularity;
+- ``kvc_unreachable``: step granularity, exporting to a closed loopback port.
 
 Every run is a fresh process (``benchmarks/engine_run.py``) computing on one
 OpenMP thread, one after another, so each gets the same machine state and no module globals (the tracer
@@ -29,11 +31,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.otlp_sink import OtlpSink
+
 REPO = Path(__file__).resolve().parent.parent
-CONFIGURATIONS = ("none", "multi", "kvc_off", "kvc_step", "kvc_unreachable")
+CONFIGURATIONS = ("none", "multi", "kvc_off", "kvc_request", "kvc_step", "kvc_unreachable")
+GRANULARITY = {"kvc_request": "request", "kvc_step": "step", "kvc_unreachable": "step"}
 # (name, subject, baseline): subject's figure over baseline's, per repetition
 RATIOS = (
     ("kvc_off / multi", "kvc_off", "multi"),
+    ("kvc_request / multi", "kvc_request", "multi"),
     ("kvc_step / multi", "kvc_step", "multi"),
     ("kvc_unreachable / kvc_off", "kvc_unreachable", "kvc_off"),
     ("multi / none", "multi", "none"),
@@ -63,7 +69,7 @@ def kv_transfer_config(name: str, stores: Path, endpoints: dict[str, str]) -> di
                 "kv_connector_extra_config": {"connectors": children}}
     pipeline = {**example_tiers("bench", tiers), "logging": {"level": "WARNING"}}
     if name in endpoints:
-        pipeline["tracing"] = {"enabled": True, "granularity": "step", "exporter": "otlp",
+        pipeline["tracing"] = {"enabled": True, "granularity": GRANULARITY[name], "exporter": "otlp",
                                "endpoint": endpoints[name]}
     return render(load_pipeline(pipeline), pipeline)
 
@@ -81,11 +87,11 @@ def run_engine(kv_transfer: dict[str, Any] | None, workdir: Path) -> dict[str, A
 
 
 def measure(repetitions: int = 3, configurations: tuple[str, ...] = CONFIGURATIONS) -> dict[str, Any]:
-    from tests.otlp_support import start_receiver
     from tests.server_support import free_port
 
-    receiver = start_receiver()
-    endpoints = {"kvc_step": receiver.endpoint, "kvc_unreachable": f"http://127.0.0.1:{free_port()}/v1/traces"}
+    sink = OtlpSink()
+    endpoints = {"kvc_request": sink.endpoint, "kvc_step": sink.endpoint,
+                 "kvc_unreachable": f"http://127.0.0.1:{free_port()}/v1/traces"}
     runs: list[dict[str, dict[str, Any]]] = []
     try:
         for repetition in range(repetitions):
@@ -96,13 +102,13 @@ def measure(repetitions: int = 3, configurations: tuple[str, ...] = CONFIGURATIO
                     figures[name] = run_engine(kv_transfer_config(name, Path(workdir), endpoints), Path(workdir))
             runs.append(figures)
     finally:
-        receiver.stop()
-    return summarize(runs, spans_received=len(receiver.received()))
+        sink.stop()
+    return {**summarize(runs), "exported": {"requests": sink.exports, "bytes": sink.bytes}}
 
 
-def summarize(runs: list[dict[str, dict[str, Any]]], spans_received: int) -> dict[str, Any]:
+def summarize(runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Medians per configuration, and the medians of the per-repetition ratios."""
-    names = list(runs[0])
+    names = [name for name in CONFIGURATIONS if name in runs[0]]
     medians = {name: {key: statistics.median(run[name][key] for run in runs) for key in runs[0][name]}
                for name in names}
     ratios = {
@@ -110,8 +116,7 @@ def summarize(runs: list[dict[str, dict[str, Any]]], spans_received: int) -> dic
                 for key in ("tokens_per_s", "ttft_ms")}
         for label, subject, baseline in RATIOS if subject in names and baseline in names
     }
-    return {"repetitions": len(runs), "medians": medians, "ratios": ratios, "runs": runs,
-            "spans_received": spans_received}
+    return {"repetitions": len(runs), "medians": medians, "ratios": ratios, "runs": runs}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -119,7 +124,10 @@ def table(result: dict[str, Any]) -> str:
     for name, figures in result["medians"].items():
         lines.append(f"| {name} | {figures['tokens_per_s']:.0f} | {figures['ttft_ms']:.1f} | "
                      f"{figures['rss_growth_mib']:.1f} | {figures['peak_rss_mib']:.0f} |")
-    lines += ["", "| ratio (median of repetitions) | tokens/s | TTFT |", "| --- | --- | --- |"]
+    exported = result["exported"]
+    lines += ["", f"Spans exported to the collector stand-in: {exported['requests']} requests, "
+              f"{exported['bytes'] / 1024:.0f} KiB.", ""]
+    lines += ["| ratio (median of repetitions) | tokens/s | TTFT |", "| --- | --- | --- |"]
     for label, ratio in result["ratios"].items():
         lines.append(f"| {label} | {ratio['tokens_per_s']:.3f} | {ratio['ttft_ms']:.3f} |")
     return "\n".join(lines)

@@ -91,7 +91,8 @@ def test_stats_merge_adds_up_what_each_worker_counted() -> None:
 def test_end_to_end_configurations_are_valid_kv_transfer_configs(name: str, tmp_path: Path) -> None:
     from vllm.config import KVTransferConfig
 
-    endpoints = {"kvc_step": "http://127.0.0.1:1/v1/traces", "kvc_unreachable": "http://127.0.0.1:2/v1/traces"}
+    endpoints = {"kvc_request": "http://127.0.0.1:1/v1/traces", "kvc_step": "http://127.0.0.1:1/v1/traces",
+                 "kvc_unreachable": "http://127.0.0.1:2/v1/traces"}
     config = end_to_end.kv_transfer_config(name, tmp_path, endpoints)
     if name == "none":
         assert config is None
@@ -101,6 +102,7 @@ def test_end_to_end_configurations_are_valid_kv_transfer_configs(name: str, tmp_
         tracing = config["kv_connector_extra_config"]["pipeline"].get("tracing", {})
         assert tracing.get("enabled", False) == (name in endpoints)
         assert tracing.get("endpoint") == endpoints.get(name)
+        assert tracing.get("granularity") == end_to_end.GRANULARITY.get(name)
 
 
 def test_end_to_end_summary_takes_ratios_within_each_repetition() -> None:
@@ -109,18 +111,37 @@ def test_end_to_end_summary_takes_ratios_within_each_repetition() -> None:
                 "rss_growth_mib": rss, "peak_rss_mib": 1800.0}
 
     runs = [
-        {"none": figures(120), "multi": figures(100), "kvc_off": figures(100), "kvc_step": figures(98),
-         "kvc_unreachable": figures(96, rss=20.0)},
-        {"none": figures(60), "multi": figures(50), "kvc_off": figures(50), "kvc_step": figures(49),
-         "kvc_unreachable": figures(48, rss=20.0)},  # a slower machine: the same ratios
-        {"none": figures(240), "multi": figures(200), "kvc_off": figures(200), "kvc_step": figures(150),
-         "kvc_unreachable": figures(192, rss=20.0)},
+        {"none": figures(120), "multi": figures(100), "kvc_off": figures(100), "kvc_request": figures(99),
+         "kvc_step": figures(98), "kvc_unreachable": figures(96, rss=20.0)},
+        {"none": figures(60), "multi": figures(50), "kvc_off": figures(50), "kvc_request": figures(49.5),
+         "kvc_step": figures(49), "kvc_unreachable": figures(48, rss=20.0)},  # a slower machine: the same ratios
+        {"none": figures(240), "multi": figures(200), "kvc_off": figures(200), "kvc_request": figures(198),
+         "kvc_step": figures(150), "kvc_unreachable": figures(192, rss=20.0)},
     ]
-    result = end_to_end.summarize(runs, spans_received=7)
+    result = {**end_to_end.summarize(runs), "exported": {"requests": 3, "bytes": 4096}}
 
     assert result["ratios"]["kvc_step / multi"]["tokens_per_s"] == pytest.approx(0.98)
     assert result["ratios"]["kvc_unreachable / kvc_off"]["tokens_per_s"] == pytest.approx(0.96)
+    assert result["ratios"]["kvc_request / multi"]["ttft_ms"] == pytest.approx(1 / 0.99)
     assert result["medians"]["multi"]["tokens_per_s"] == 100
     checks = {check.target: check for check in targets.end_to_end_checks(result)}
     assert [check.met for check in checks.values()] == [True, True, True]
     assert "| kvc_step / multi | 0.980 |" in end_to_end.table(result)
+
+
+def test_otlp_sink_accepts_a_real_export() -> None:
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from benchmarks.otlp_sink import OtlpSink
+
+    sink = OtlpSink()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.get_tracer("bench").start_span("kvcompose.step").end()
+    try:
+        assert OTLPSpanExporter(endpoint=sink.endpoint).export(exporter.get_finished_spans()) is SpanExportResult.SUCCESS
+    finally:
+        sink.stop()
+    assert sink.exports == 1 and sink.bytes > 0
