@@ -23,7 +23,7 @@ from time import time_ns
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
-from opentelemetry.context import Context
+from opentelemetry.context import Context, attach, detach
 from opentelemetry.trace import Link, Span, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -169,18 +169,23 @@ class PipelineTracer:
         extract: Callable[..., Mapping[str, Any]] | None, call: Callable[..., Any],
         args: tuple[Any, ...], kwargs: Mapping[str, Any],
     ) -> Any:
-        with self._tracer.start_as_current_span(
-            name, context=parent, attributes=attributes, record_exception=False, set_status_on_exception=False
-        ) as span:
-            try:
-                result = call(*args, **kwargs)
-            except Exception as error:
-                attr.mark_error(span, error)
-                raise
+        span = self._tracer.start_span(name, context=parent, attributes=attributes)
+        # The span is current during the call (error isolation marks the current
+        # span), attached by hand: start_as_current_span costs ~20% more per span.
+        token = attach(trace.set_span_in_context(span, parent))
+        try:
+            result = call(*args, **kwargs)
+        except Exception as error:
+            attr.mark_error(span, error)
+            raise
+        else:
             # A call that failed or was skipped (marked by error isolation) has no result to describe.
             if extract is not None and not attr.is_error(span):
                 span.set_attributes(extract(args, result))
             return result
+        finally:
+            detach(token)
+            span.end()
 
     def _emit(
         self, name: str, base: Mapping[str, Any], requests: Iterable[TracedRequest], start: int, end: int,
