@@ -77,9 +77,12 @@ def pipeline(children: int, metrics: bool = True, tracing: str | None = None, pe
     }
 
 
+def kvcompose_vllm_config(pipeline: dict) -> VllmConfig:
+    return _vllm_config({"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
+                         "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
+
+
 def kvcompose_connector(pipeline: dict, side: str) -> KVComposeConnector:
     from kvcompose.connectors import KVComposeConnector
 
-    config = _vllm_config({"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
-                           "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
-    return KVComposeConnector(config, _role(side), None)
+    return KVComposeConnector(kvcompose_vllm_config(pipeline), _role(side), None)

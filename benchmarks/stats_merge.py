@@ -1,10 +1,12 @@
-"""Cost of merging the stats of many workers, and the size of what crosses processes.
+"""Cost of the stats' way from the workers to Prometheus, and the size of what crosses processes.
 
 Each worker's payload comes from a real 16-child KVComposeConnector (no-op
 children, ``metrics.per_layer`` on: the largest payload) after one step, as
 vLLM reads it after every step. vLLM's KVOutputAggregator folds the workers'
 stats into one with ``aggregate``; the merged stats reach the front-end as a
-plain dict encoded with vLLM's msgpack encoder, whose size is measured here.
+plain dict encoded with vLLM's msgpack encoder, whose size is measured here,
+and the front-end hands each engine step's dict to ``observe`` of kvcompose's
+Prometheus metrics (timed here for one worker's step).
 """
 
 from __future__ import annotations
@@ -53,17 +55,35 @@ def wire_bytes(stats: Any) -> int:
     return sum(len(buffer) for buffer in MsgpackEncoder().encode(stats.to_dict()))
 
 
+def prometheus_metrics(bench_pipeline: dict[str, Any]) -> Any:
+    """kvcompose's Prometheus metrics as vLLM's front-end builds them (one engine)."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from benchmarks.connectors import kvcompose_vllm_config
+    from kvcompose.connectors import KVComposeConnector
+
+    return KVComposeConnector.build_prom_metrics(
+        kvcompose_vllm_config(bench_pipeline), {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+        ["model_name", "engine"], {0: ["bench", "0"]},
+    )
+
+
 def measure(workers: int = WORKERS, children: int = CHILDREN, heavy_steps: int = 1000, rounds: int = 5,
             calls: int | None = None) -> dict[str, Any]:
-    worker = kvcompose_connector(pipeline(children, per_layer=True), "worker")
+    bench_pipeline = pipeline(children, per_layer=True)
+    worker = kvcompose_connector(bench_pipeline, "worker")
     payloads = [_stats_after(worker, 1) for _ in range(workers)]
     ns = per_call_ns("merge(payloads)", {"merge": {"merge": merge, "payloads": payloads}}, rounds=rounds,
                      calls=calls)["merge"]
+    observe_ns = per_call_ns("metrics.observe(step)", {"observe": {
+        "metrics": prometheus_metrics(bench_pipeline), "step": payloads[0].to_dict()}}, rounds=rounds,
+        calls=calls)["observe"]
     one_step, many_steps = wire_bytes(payloads[0]), wire_bytes(_stats_after(worker, heavy_steps))
     return {
         "workers": workers,
         "children": children,
         "merge_ms": ns / 1e6,
+        "observe_step_us": observe_ns / 1e3,
         "worker_payload_bytes": {"1_step": one_step, f"{heavy_steps}_steps": many_steps},
         "payload_growth": many_steps / one_step,
         "merged_payload_bytes": wire_bytes(merge(payloads)),
@@ -78,6 +98,8 @@ def table(result: dict[str, Any]) -> str:
         "| --- | --- |",
         f"| merge {result['workers']} worker payloads of {result['children']} children | "
         f"{result['merge_ms']:.3f} ms |",
+        f"| Prometheus observe of one worker's step ({result['children']} children) | "
+        f"{result['observe_step_us']:.0f} us |",
         f"| one worker's payload after {one_label.replace('_', ' ')} / {many_label.replace('_', ' ')} | "
         f"{one} B / {many} B ({result['payload_growth']:.2f}x) |",
         f"| merged payload ({result['workers']} workers) | {result['merged_payload_bytes']} B |",

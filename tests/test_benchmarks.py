@@ -69,7 +69,8 @@ def test_stats_merge_sums_every_worker_and_sizes_the_payload() -> None:
     result = stats_merge.measure(workers=4, children=3, heavy_steps=5, rounds=1, calls=1)
 
     assert result["workers"] == 4 and result["children"] == 3
-    assert _finite([result["merge_ms"], result["payload_growth"], result["merged_payload_bytes"]])
+    assert _finite([result["merge_ms"], result["observe_step_us"], result["payload_growth"],
+                    result["merged_payload_bytes"]])
     assert list(result["worker_payload_bytes"]) == ["1_step", "5_steps"]
     assert len(targets.stats_checks(result)) == 2
     assert "merge 4 worker payloads of 3 children" in stats_merge.table(result)

@@ -118,8 +118,10 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
                 # Each bucket's mean lies inside the bucket: replaying it n times
                 # gives Prometheus the exact bucket counts and the exact sum.
                 for count, total in zip(histogram["n"], histogram["s"], strict=True):
-                    for _ in range(count):
-                        series.observe(total / count)
+                    if count:
+                        mean = total / count
+                        for _ in range(count):
+                            series.observe(mean)
             for op, by_type in payload["errors"].items():
                 for error_type, count in by_type.items():
                     self.errors.labels(*labels, op, error_type).inc(count)
