@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
+from operator import add
 from typing import Any
 
 
@@ -38,12 +39,10 @@ class BucketHistogram:
 
 
 def merge_histogram_payloads(mine: dict[str, list[Any]], theirs: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    if len(mine["n"]) != len(theirs["n"]):
+    """Bucket-wise sums (``map(add)``: once per child, operation and worker each step, so it is kept tight)."""
+    if len(mine["n"]) != len(theirs["n"]) or len(mine["s"]) != len(theirs["s"]):
         raise ValueError("cannot merge histograms with different bucket bounds")
-    return {
-        "n": [a + b for a, b in zip(mine["n"], theirs["n"], strict=True)],
-        "s": [a + b for a, b in zip(mine["s"], theirs["s"], strict=True)],
-    }
+    return {"n": list(map(add, mine["n"], theirs["n"])), "s": list(map(add, mine["s"], theirs["s"]))}
 
 
 def quantile(bounds: Sequence[float], counts: Sequence[int], q: float) -> float | None:
