@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -67,6 +68,7 @@ def main() -> None:
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # its start-up notes would bury the tables
     result, markdown = run(parts, args.repetitions)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "latest.json").write_text(json.dumps(result, indent=1) + "\n")
