@@ -33,7 +33,7 @@ def machine() -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit}
 
 
-def run(parts: tuple[str, ...], repetitions: int) -> tuple[dict[str, Any], str]:
+def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
     from benchmarks import end_to_end, hot_path, stats_merge, targets
 
     result: dict[str, Any] = {"machine": machine()}
@@ -47,8 +47,8 @@ def run(parts: tuple[str, ...], repetitions: int) -> tuple[dict[str, Any], str]:
         sections.append("### Stats\n\n" + stats_merge.table(merged))
         checks += targets.stats_checks(merged)
     if "end_to_end" in parts:
-        result["end_to_end"] = e2e = end_to_end.measure(repetitions=repetitions)
-        sections.append(f"### End to end (CPU engine, tiny model, median of {repetitions} repetitions)\n\n"
+        result["end_to_end"] = e2e = end_to_end.measure(rounds=rounds)
+        sections.append(f"### End to end (CPU engine, tiny model, median of {rounds} rounds)\n\n"
                         + end_to_end.table(e2e))
         checks += targets.end_to_end_checks(e2e)
     result["targets"] = targets.as_records(checks)
@@ -62,14 +62,14 @@ def run(parts: tuple[str, ...], repetitions: int) -> tuple[dict[str, Any], str]:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    parser.add_argument("--repetitions", type=int, default=3, help="end-to-end repetitions per configuration")
+    parser.add_argument("--rounds", type=int, default=16, help="end-to-end measurements per configuration")
     args = parser.parse_args()
     parts = tuple(part for part in args.parts.split(",") if part)
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(logging.ERROR)  # its start-up notes would bury the tables
-    result, markdown = run(parts, args.repetitions)
+    result, markdown = run(parts, args.rounds)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "latest.json").write_text(json.dumps(result, indent=1) + "\n")
     (RESULTS / "latest.md").write_text(markdown)

@@ -13,13 +13,19 @@ connectors' framework, not the disk, which other work on the machine shares):
 - ``kvc_step``: the same at step granularity;
 - ``kvc_unreachable``: step granularity, exporting to a closed loopback port.
 
-Every run is a fresh process (``benchmarks/engine_run.py``) computing on one
-OpenMP thread, one after another, so each gets the same machine state and no module globals (the tracer
-provider) carry over. Repetitions alternate the order (forward, backward) and
-each ratio is taken within a repetition, between runs close in time; the
-reported ratio is the median over repetitions. One compute thread because with
-two, on a 2-core machine shared with other work, any other process stalls the
-engine's parallel regions: throughput swung tenfold between batches.
+Each configuration's engine runs in its own fresh process (``benchmarks/engine_run.py``),
+so no module globals (the tracer provider) are shared. The engines start
+together and are then measured in rounds: each round asks every engine, one at
+a time and in a rotating order, for one measurement (a few prompts for time to
+first token, then one batch), so all configurations are measured within seconds
+of each other. Each ratio is taken within a round; the reported ratio is the
+median over rounds.
+
+Why not one engine after another: on this shared 2-core machine the speed of
+the whole machine drifts by 20-30% over minutes, and ratios between runs a
+minute apart swung that much. Why one OpenMP thread per engine: with two, any
+other process stalls the engine's parallel regions (throughput swung tenfold
+between batches).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from benchmarks.otlp_sink import OtlpSink
 REPO = Path(__file__).resolve().parent.parent
 CONFIGURATIONS = ("none", "multi", "kvc_off", "kvc_request", "kvc_step", "kvc_unreachable")
 GRANULARITY = {"kvc_request": "request", "kvc_step": "step", "kvc_unreachable": "step"}
-# (name, subject, baseline): subject's figure over baseline's, per repetition
+# (name, subject, baseline): subject's figure over baseline's, per round
 RATIOS = (
     ("kvc_off / multi", "kvc_off", "multi"),
     ("kvc_request / multi", "kvc_request", "multi"),
@@ -46,7 +52,8 @@ RATIOS = (
     ("kvc_unreachable / kvc_off", "kvc_unreachable", "kvc_off"),
     ("multi / none", "multi", "none"),
 )
-RUN_TIMEOUT_S = 600
+ROUND_FIGURES = ("tokens_per_s", "tokens_per_cpu_s", "ttft_ms")
+STOP_TIMEOUT_S = 120  # an unreachable tracing endpoint holds the engine's shutdown for its final flush
 STORES_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else None
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the measured process
@@ -77,61 +84,96 @@ def kv_transfer_config(name: str, stores: Path, endpoints: dict[str, str]) -> di
     return render(load_pipeline(pipeline), pipeline)
 
 
-def run_engine(kv_transfer: dict[str, Any] | None, workdir: Path) -> dict[str, Any]:
-    """One configuration in a fresh process; its figures (see engine_run.py)."""
-    out = workdir / "result.json"
-    env = {**os.environ, **ENGINE_ENV}
-    command = [sys.executable, "-m", "benchmarks.engine_run", "--kv-transfer-config", json.dumps(kv_transfer),
-               "--out", str(out)]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    if done.returncode != 0 or not out.exists():
-        raise RuntimeError(f"engine run failed (exit {done.returncode}): {' '.join(command)}\n{done.stderr[-4000:]}")
-    return json.loads(out.read_text())
+class EngineProcess:
+    """A benchmarks/engine_run.py process: a round at a time on command, answers on a pipe."""
+
+    def __init__(self, name: str, kv_transfer: dict[str, Any] | None, workdir: Path) -> None:
+        self.name = name
+        self._log = workdir / f"{name}.log"
+        read_end, write_end = os.pipe()
+        command = [sys.executable, "-m", "benchmarks.engine_run", "--kv-transfer-config", json.dumps(kv_transfer),
+                   "--result-fd", str(write_end)]
+        with self._log.open("w") as log:
+            self._process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **ENGINE_ENV}, stdin=subprocess.PIPE,
+                                             stdout=log, stderr=subprocess.STDOUT, text=True, pass_fds=(write_end,))
+        os.close(write_end)
+        self._results = os.fdopen(read_end)
+
+    def ask(self, command: str) -> dict[str, Any]:
+        if command != "ready":
+            assert self._process.stdin is not None
+            self._process.stdin.write(command + "\n")
+            self._process.stdin.flush()
+        if not (line := self._results.readline()):
+            self._process.wait(timeout=60)
+            raise RuntimeError(f"engine {self.name!r} exited with {self._process.returncode}; its log:\n"
+                               + self._log.read_text()[-4000:])
+        return json.loads(line)
+
+    def stop(self) -> dict[str, Any]:
+        figures = self.ask("stop")
+        self._process.wait(timeout=STOP_TIMEOUT_S)
+        self._results.close()
+        return figures
+
+    def kill(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._results.close()
 
 
-def measure(repetitions: int = 3, configurations: tuple[str, ...] = CONFIGURATIONS) -> dict[str, Any]:
+def measure(rounds: int = 16, configurations: tuple[str, ...] = CONFIGURATIONS) -> dict[str, Any]:
     from tests.server_support import free_port
 
     sink = OtlpSink()
     endpoints = {"kvc_request": sink.endpoint, "kvc_step": sink.endpoint,
                  "kvc_unreachable": f"http://127.0.0.1:{free_port()}/v1/traces"}
-    runs: list[dict[str, dict[str, Any]]] = []
-    try:
-        for repetition in range(repetitions):
-            order = configurations if repetition % 2 == 0 else configurations[::-1]
-            figures = {}
-            for name in order:
-                with tempfile.TemporaryDirectory(prefix="kvcompose-bench-", dir=STORES_DIR) as workdir:
-                    figures[name] = run_engine(kv_transfer_config(name, Path(workdir), endpoints), Path(workdir))
-            runs.append(figures)
-    finally:
-        sink.stop()
-    return {**summarize(runs), "exported": {"requests": sink.exports, "bytes": sink.bytes}}
+    engines: list[EngineProcess] = []
+    with tempfile.TemporaryDirectory(prefix="kvcompose-bench-", dir=STORES_DIR) as workdir:
+        try:
+            for name in configurations:
+                engines.append(EngineProcess(name, kv_transfer_config(name, Path(workdir) / name, endpoints),
+                                             Path(workdir)))
+            for engine in engines:
+                engine.ask("ready")
+            measured: list[dict[str, dict[str, Any]]] = []
+            for round_index in range(rounds):
+                shift = round_index % len(engines)
+                measured.append({engine.name: engine.ask("round") for engine in engines[shift:] + engines[:shift]})
+            stopped = {engine.name: engine.stop() for engine in engines}
+        finally:
+            for engine in engines:
+                engine.kill()
+            sink.stop()
+    return {**summarize(measured, stopped), "exported": {"requests": sink.exports, "bytes": sink.bytes}}
 
 
-def summarize(runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Medians per configuration, and the medians of the per-repetition ratios."""
-    names = [name for name in CONFIGURATIONS if name in runs[0]]
-    medians = {name: {key: statistics.median(run[name][key] for run in runs) for key in runs[0][name]}
+def summarize(rounds: list[dict[str, dict[str, float]]], stopped: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Per configuration: medians over rounds and the memory at the end; ratios: medians of per-round ratios."""
+    names = [name for name in CONFIGURATIONS if name in rounds[0]]
+    medians = {name: {**{key: statistics.median(measured[name][key] for measured in rounds) for key in rounds[0][name]},
+                      **stopped[name]}
                for name in names}
     ratios = {
-        label: {key: statistics.median(run[subject][key] / run[baseline][key] for run in runs)
-                for key in ("tokens_per_s", "tokens_per_cpu_s", "ttft_ms")}
+        label: {key: statistics.median(measured[subject][key] / measured[baseline][key] for measured in rounds)
+                for key in ROUND_FIGURES}
         for label, subject, baseline in RATIOS if subject in names and baseline in names
     }
-    return {"repetitions": len(runs), "medians": medians, "ratios": ratios, "runs": runs}
+    return {"rounds": len(rounds), "medians": medians, "ratios": ratios, "per_round": rounds}
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| configuration | output tokens/s | tokens per CPU-s | TTFT ms | RSS growth MiB | peak RSS MiB |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| configuration | output tokens/s | tokens per CPU-s | TTFT ms | RSS growth MiB | peak RSS MiB "
+             "| shutdown s |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, figures in result["medians"].items():
         lines.append(f"| {name} | {figures['tokens_per_s']:.0f} | {figures['tokens_per_cpu_s']:.0f} | "
-                     f"{figures['ttft_ms']:.1f} | {figures['rss_growth_mib']:.1f} | {figures['peak_rss_mib']:.0f} |")
+                     f"{figures['ttft_ms']:.1f} | {figures['rss_growth_mib']:.1f} | {figures['peak_rss_mib']:.0f} | "
+                     f"{figures['shutdown_s']:.1f} |")
     exported = result["exported"]
     lines += ["", f"Spans exported to the collector stand-in: {exported['requests']} requests, "
               f"{exported['bytes'] / 1024:.0f} KiB.", ""]
-    lines += ["| ratio (median of repetitions) | tokens/s | tokens per CPU-s | TTFT |", "| --- | --- | --- | --- |"]
+    lines += ["| ratio (median of rounds) | tokens/s | tokens per CPU-s | TTFT |", "| --- | --- | --- | --- |"]
     for label, ratio in result["ratios"].items():
         lines.append(f"| {label} | {ratio['tokens_per_s']:.3f} | {ratio['tokens_per_cpu_s']:.3f} | "
                      f"{ratio['ttft_ms']:.3f} |")

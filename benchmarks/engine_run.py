@@ -1,93 +1,106 @@
-"""One engine, one connector configuration: start it, run the workload, write the figures as JSON.
+"""One engine with one connector configuration, measured a round at a time on command.
 
-Run by ``benchmarks/end_to_end.py`` in a fresh process per configuration and
-repetition, with the engine core in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the connector's scheduler and
-worker sides, the tracer provider and the memory measured are all here.
+``benchmarks/end_to_end.py`` starts one of these processes per configuration,
+all alive together, and asks them in turn for a round (a line ``round`` on
+stdin; ``stop`` ends it), so every configuration is measured within seconds
+of the others. The engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the connector's scheduler and worker
+sides, its tracer provider and the memory measured are all here. Answers are
+JSON lines on the file descriptor ``--result-fd``.
 
-Workload (tiny model, greedy, ``ignore_eos``), after a warm-up batch:
+A round (tiny model, greedy, ``ignore_eos``):
 
-- time to first token: ``TTFT_REQUESTS`` prompts one after another, as the
-  engine reports it (arrival to first token); new prompts, so every connector
-  saves them;
-- throughput: ``BATCHES`` batches of ``BATCH`` prompts generating
-  ``OUTPUT_TOKENS`` each; half the prompts repeat the TTFT prompts (a connector
-  loads them), half are new (saved). Output tokens per second of wall time,
-  of the fastest batch (the one least disturbed by other processes), and per
-  second of this process's CPU time (all its threads: the span exporter's
-  too), which other processes on the machine disturb much less.
+- time to first token of ``TTFT_PROMPTS`` new prompts, one after another, as
+  the engine reports it (arrival to first token); every connector saves them;
+- one batch of ``BATCH`` prompts generating ``OUTPUT_TOKENS`` each: half repeat
+  earlier prompts (a connector loads them), half are new (saved). Output
+  tokens per second of wall time and per second of this process's CPU time
+  (all its threads: the span exporter's too).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 PROMPT_WORDS = 96
-TTFT_REQUESTS = 8
+TTFT_PROMPTS = 2
 BATCH = 8
-BATCHES = 5
 OUTPUT_TOKENS = 128
+KV_BLOCKS = 512  # 8192 tokens of KV cache: plenty for a batch, small enough for six engines at once
 
 
-def _memory_kib() -> dict[str, int]:
-    """This process's resident set now (VmRSS) and at its peak (VmHWM), KiB."""
+def _memory_mib() -> dict[str, float]:
+    """This process's resident set now (VmRSS) and at its peak (VmHWM), MiB."""
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return {key: int(fields[key].split()[0]) for key in ("VmRSS", "VmHWM")}
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
 
 
-def run(kv_transfer_config: dict[str, Any] | None) -> dict[str, Any]:
-    from vllm import SamplingParams
+class MeasuredEngine:
+    def __init__(self, kv_transfer_config: dict[str, Any] | None) -> None:
+        from kvcompose.testing.tiny_model import ensure_tiny_model, prompt_words
+        from tests.engine_support import start_llm
 
-    from kvcompose.testing.tiny_model import ensure_tiny_model, prompt_words
-    from tests.engine_support import start_llm
+        started = time.perf_counter()
+        self._llm = start_llm(ensure_tiny_model(), kv_transfer_config, disable_log_stats=False,
+                              num_gpu_blocks_override=KV_BLOCKS)
+        self.start_s = time.perf_counter() - started
+        self._new_prompts: Iterator[str] = (prompt_words(seed, PROMPT_WORDS) for seed in range(1_000_000))
+        self._seen: list[str] = []
+        self._generate([self._new() for _ in range(BATCH)], 16)  # warm-up
+        self.baseline_rss_mib = _memory_mib()["VmRSS"]
 
-    def sampling(max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    def _new(self) -> str:
+        prompt = next(self._new_prompts)
+        self._seen.append(prompt)
+        return prompt
 
-    started = time.perf_counter()
-    llm = start_llm(ensure_tiny_model(), kv_transfer_config, disable_log_stats=False)
-    start_s = time.perf_counter() - started
-    prompts = iter(prompt_words(seed, PROMPT_WORDS) for seed in range(10_000))
-    llm.generate([next(prompts) for _ in range(BATCH)], sampling(16), use_tqdm=False)  # warm-up
+    def _generate(self, prompts: list[str], max_tokens: int) -> list[Any]:
+        from vllm import SamplingParams
 
-    before = _memory_kib()
-    ttft_prompts = [next(prompts) for _ in range(TTFT_REQUESTS)]
-    ttft_s = [llm.generate([prompt], sampling(1), use_tqdm=False)[0].metrics.first_token_latency
-              for prompt in ttft_prompts]
-    tokens_per_s, tokens_per_cpu_s = [], []
-    half = BATCH // 2
-    for batch in range(BATCHES):
-        repeated = [ttft_prompts[(batch * half + i) % TTFT_REQUESTS] for i in range(half)]
-        batch_prompts = repeated + [next(prompts) for _ in range(BATCH - half)]
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return self._llm.generate(prompts, sampling, use_tqdm=False)
+
+    def round(self) -> dict[str, float]:
+        ttft_s = [self._generate([self._new()], 1)[0].metrics.first_token_latency for _ in range(TTFT_PROMPTS)]
+        repeated = self._seen[-(BATCH // 2):]
+        prompts = repeated + [self._new() for _ in range(BATCH - len(repeated))]
         began, began_cpu = time.perf_counter(), time.process_time()
-        outputs = llm.generate(batch_prompts, sampling(OUTPUT_TOKENS), use_tqdm=False)
+        outputs = self._generate(prompts, OUTPUT_TOKENS)
         elapsed, elapsed_cpu = time.perf_counter() - began, time.process_time() - began_cpu
         tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
-        tokens_per_s.append(tokens / elapsed)
-        tokens_per_cpu_s.append(tokens / elapsed_cpu)
-    after = _memory_kib()
-    llm.llm_engine.engine_core.shutdown()
-    return {
-        "start_s": start_s,
-        "ttft_ms": 1000 * statistics.median(ttft_s),
-        "tokens_per_s": max(tokens_per_s),
-        "tokens_per_cpu_s": max(tokens_per_cpu_s),
-        "rss_growth_mib": (after["VmRSS"] - before["VmRSS"]) / 1024,
-        "peak_rss_mib": after["VmHWM"] / 1024,
-    }
+        return {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / elapsed_cpu,
+                "ttft_ms": 1000 * statistics.median(ttft_s)}
+
+    def stop(self) -> dict[str, float]:
+        """Memory over the measured rounds, then shut the engine down (its connector flushes spans)."""
+        memory = _memory_mib()
+        began = time.perf_counter()
+        self._llm.llm_engine.engine_core.shutdown()
+        return {"rss_growth_mib": memory["VmRSS"] - self.baseline_rss_mib, "peak_rss_mib": memory["VmHWM"],
+                "start_s": self.start_s, "shutdown_s": time.perf_counter() - began}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kv-transfer-config", required=True, help="JSON; null for no connector")
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--result-fd", required=True, type=int)
     args = parser.parse_args()
-    args.out.write_text(json.dumps(run(json.loads(args.kv_transfer_config))))
+    with os.fdopen(args.result_fd, "w", buffering=1) as results:
+        engine = MeasuredEngine(json.loads(args.kv_transfer_config))
+        results.write(json.dumps({"ready": True}) + "\n")
+        for command in sys.stdin:
+            if command.strip() == "stop":
+                results.write(json.dumps(engine.stop()) + "\n")
+                return
+            results.write(json.dumps(engine.round()) + "\n")
 
 
 if __name__ == "__main__":

@@ -106,26 +106,27 @@ def test_end_to_end_configurations_are_valid_kv_transfer_configs(name: str, tmp_
         assert tracing.get("granularity") == end_to_end.GRANULARITY.get(name)
 
 
-def test_end_to_end_summary_takes_ratios_within_each_repetition() -> None:
-    def figures(tokens_per_s: float, rss: float = 10.0) -> dict[str, float]:
-        return {"start_s": 5.0, "ttft_ms": 1000 / tokens_per_s, "tokens_per_s": tokens_per_s,
-                "tokens_per_cpu_s": tokens_per_s,
-                "rss_growth_mib": rss, "peak_rss_mib": 1800.0}
+def test_end_to_end_summary_takes_ratios_within_each_round() -> None:
+    def figures(tokens_per_s: float) -> dict[str, float]:
+        return {"tokens_per_s": tokens_per_s, "tokens_per_cpu_s": tokens_per_s, "ttft_ms": 1000 / tokens_per_s}
 
-    runs = [
+    rounds = [
         {"none": figures(120), "multi": figures(100), "kvc_off": figures(100), "kvc_request": figures(99),
-         "kvc_step": figures(98), "kvc_unreachable": figures(96, rss=20.0)},
+         "kvc_step": figures(98), "kvc_unreachable": figures(96)},
         {"none": figures(60), "multi": figures(50), "kvc_off": figures(50), "kvc_request": figures(49.5),
-         "kvc_step": figures(49), "kvc_unreachable": figures(48, rss=20.0)},  # a slower machine: the same ratios
+         "kvc_step": figures(49), "kvc_unreachable": figures(48)},  # a slower moment: the same ratios
         {"none": figures(240), "multi": figures(200), "kvc_off": figures(200), "kvc_request": figures(198),
-         "kvc_step": figures(150), "kvc_unreachable": figures(192, rss=20.0)},
+         "kvc_step": figures(150), "kvc_unreachable": figures(192)},
     ]
-    result = {**end_to_end.summarize(runs), "exported": {"requests": 3, "bytes": 4096}}
+    stopped = {name: {"rss_growth_mib": 20.0 if name == "kvc_unreachable" else 10.0, "peak_rss_mib": 1800.0,
+                      "start_s": 5.0, "shutdown_s": 0.5} for name in end_to_end.CONFIGURATIONS}
+    result = {**end_to_end.summarize(rounds, stopped), "exported": {"requests": 3, "bytes": 4096}}
 
     assert result["ratios"]["kvc_step / multi"]["tokens_per_s"] == pytest.approx(0.98)
     assert result["ratios"]["kvc_unreachable / kvc_off"]["tokens_per_s"] == pytest.approx(0.96)
     assert result["ratios"]["kvc_request / multi"]["ttft_ms"] == pytest.approx(1 / 0.99)
     assert result["medians"]["multi"]["tokens_per_s"] == 100
+    assert result["medians"]["kvc_unreachable"]["rss_growth_mib"] == 20.0
     checks = {check.target: check for check in targets.end_to_end_checks(result)}
     assert [check.met for check in checks.values()] == [True, True, True]
     assert "| kvc_step / multi | 0.980 | 0.980 |" in end_to_end.table(result)
