@@ -50,6 +50,7 @@ RATIOS = (
     ("kvc_request / multi", "kvc_request", "multi"),
     ("kvc_step / multi", "kvc_step", "multi"),
     ("kvc_unreachable / kvc_off", "kvc_unreachable", "kvc_off"),
+    ("kvc_unreachable / kvc_step", "kvc_unreachable", "kvc_step"),  # the endpoint's part of that
     ("multi / none", "multi", "none"),
 )
 ROUND_FIGURES = ("tokens_per_s", "tokens_per_cpu_s", "ttft_ms")
