@@ -21,11 +21,12 @@ first token, then one batch), so all configurations are measured within seconds
 of each other. Each ratio is taken within a round; the reported ratio is the
 median over rounds.
 
-Why not one engine after another: on this shared 2-core machine the speed of
-the whole machine drifts by 20-30% over minutes, and ratios between runs a
-minute apart swung that much. Why one OpenMP thread per engine: with two, any
-other process stalls the engine's parallel regions (throughput swung tenfold
-between batches).
+Why not one engine after another: on this shared 2-core machine, ratios of
+runs minutes apart swung by 20-30% (kvc_off / multi read 1.26, 1.06 and 0.998
+in three sittings of three repetitions). Seconds apart, single rounds still
+vary by about 15%; the median of 16 rounds settles. Why one OpenMP thread per
+engine: with two, any other process stalls the engine's parallel regions
+(throughput swung tenfold between batches).
 """
 
 from __future__ import annotations

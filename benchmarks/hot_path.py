@@ -71,9 +71,9 @@ def build_subjects(children: int) -> dict[str, dict[str, Any]]:
         sides[side] = {"direct": multi.sub_connectors[0], "multi": multi}
     for name, (metrics, tracing) in KVCOMPOSE_SUBJECTS.items():
         bench_pipeline = pipeline(children, metrics=metrics, tracing=tracing)
-        scheduler, worker = kvcompose_connector(bench_pipeline, "scheduler"), kvcompose_connector(bench_pipeline, "worker")
+        scheduler = sides["scheduler"][name] = kvcompose_connector(bench_pipeline, "scheduler")
+        worker = sides["worker"][name] = kvcompose_connector(bench_pipeline, "worker")
         _bind_first_step(scheduler, worker)
-        sides["scheduler"][name], sides["worker"][name] = scheduler, worker
     return sides
 
 

@@ -144,7 +144,8 @@ def test_otlp_sink_accepts_a_real_export() -> None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     provider.get_tracer("bench").start_span("kvcompose.step").end()
     try:
-        assert OTLPSpanExporter(endpoint=sink.endpoint).export(exporter.get_finished_spans()) is SpanExportResult.SUCCESS
+        exported = OTLPSpanExporter(endpoint=sink.endpoint).export(exporter.get_finished_spans())
     finally:
         sink.stop()
+    assert exported is SpanExportResult.SUCCESS
     assert sink.exports == 1 and sink.bytes > 0
