@@ -139,11 +139,9 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._loads_failed(self._worker_ledger.fail_loads(child_index))
 
     def _loads_failed(self, plans: list[LoadPlan]) -> None:
-        """Count the blocks per child. A failed synchronous load means this step's
-        forward reads blocks that were never filled: what it saves would poison
-        the other tiers, so no child saves a layer until the step ends."""
-        for plan in plans:
-            self._recorder.count_load_errors(self.children[plan.child].name, len(plan.block_ids))
+        """A failed synchronous load means this step's forward reads blocks that
+        were never filled: what it saves would poison the other tiers, so no
+        child saves a layer until the step ends."""
         if self._layer_saves and any(not plan.load_async for plan in plans):
             self._layer_saves = ()
             logger.warning("layer saves skipped for this step after a failed load",
@@ -270,15 +268,21 @@ class KVComposeConnector(KVConnectorBase_V1):
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """The children's failed blocks, plus those of loads kvcompose gave up on."""
+        """The children's failed blocks, plus those of loads kvcompose gave back
+        for a failed child (counted for that child, less what it reported itself)."""
         failed: set[int] = set()
+        reported: dict[int, set[int]] = {}
         for child in self.children:
             child_failed = child.get_block_ids_with_load_errors()
             if child_failed is FAILED:
                 self._fail_loads(child.index)
             else:
                 failed |= child_failed
-        return failed | self._worker_ledger.take_load_errors()
+                reported[child.index] = child_failed
+        load_errors, given_back = self._worker_ledger.take_load_errors()
+        for index, blocks in given_back.items():
+            self._recorder.count_load_errors(self.children[index].name, len(blocks - reported.get(index, set())))
+        return failed | load_errors
 
     def get_finished_count(self) -> int | None:
         counts = [child.get_finished_count() for child in self.children]

@@ -87,6 +87,7 @@ class WorkerLedger:
         self._receiving: dict[str, int] = {}  # async loads in flight -> child index
         self._owed_saves: dict[str, set[int]] = {}  # request id -> children still owing its async save
         self._load_errors: set[int] = set()  # blocks to report for recompute
+        self._given_back: dict[int, set[int]] = {}  # child index -> blocks of its loads given back to vLLM
         self._failed_recvs: set[str] = set()  # async loads to report as failed
 
     def begin_step(self, metadata: KVComposeMetadata) -> list[LoadPlan]:
@@ -114,6 +115,7 @@ class WorkerLedger:
         return list(failed.values())
 
     def _fail(self, req_id: str, plan: LoadPlan) -> None:
+        self._given_back.setdefault(plan.child, set()).update(plan.block_ids)
         if plan.load_async:
             self._receiving.pop(req_id, None)
             self._failed_recvs.add(req_id)
@@ -155,11 +157,14 @@ class WorkerLedger:
             into.finished_recving |= self._failed_recvs
             self._failed_recvs = set()
 
-    def take_load_errors(self) -> set[int]:
+    def take_load_errors(self) -> tuple[set[int], dict[int, set[int]]]:
+        """Blocks to report for recompute, and per child the blocks of every load given back."""
         errors, self._load_errors = self._load_errors, set()
-        return errors
+        given_back, self._given_back = self._given_back, {}
+        return errors, given_back
 
     def sizes(self) -> dict[str, int]:
         entries = {"step_loads": self._step_loads, "receiving": self._receiving, "owed_saves": self._owed_saves,
-                   "load_errors": self._load_errors, "failed_recvs": self._failed_recvs}
+                   "load_errors": self._load_errors, "failed_recvs": self._failed_recvs,
+                   "given_back": self._given_back}
         return {name: len(entries) for name, entries in entries.items() if entries}
