@@ -119,6 +119,20 @@ def test_step_granularity_adds_linked_step_spans(vllm_config_with: Callable, exp
     assert "kvcompose.save_kv_layer" not in named
 
 
+def test_decode_only_steps_make_no_step_span(vllm_config_with: Callable, exporter: Any) -> None:
+    scheduler, worker = composite_pair(vllm_config_with, _pipeline({"granularity": "step"}))
+    request = make_request("r2", TRACEPARENT)  # no child has it: nothing to load
+    scheduler.get_num_new_matched_tokens(request, 0)
+    for output in (scheduler_output(new=[request]), scheduler_output(cached=["r2"]), scheduler_output(cached=["r2"])):
+        worker.bind_connector_metadata(scheduler.build_connector_meta(output))
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+    scheduler.request_finished(request, [])
+
+    assert len(_by_name(exporter.get_finished_spans())["kvcompose.step"]) == 1  # the prefill step only
+
+
 def test_layer_granularity_adds_per_layer_spans(vllm_config_with: Callable, exporter: Any) -> None:
     scheduler, worker = composite_pair(vllm_config_with, _pipeline({"granularity": "layer"}))
     _serve_one_request(scheduler, worker, make_request("r1", TRACEPARENT), layers=3)

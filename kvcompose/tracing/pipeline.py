@@ -10,9 +10,12 @@ loads in a step and ``kvcompose.save`` for each request in its first step, per
 saving child, both in the request's trace. The scheduler sends each request's
 span context to the workers in the composite's metadata (:class:`TracedRequest`).
 
-``step`` adds a ``kvcompose.step`` span per worker step (linked to every
-request in it) with the children's step calls under it; ``layer`` adds the
-per-layer calls. Requests that are not sampled cost a dict look-up.
+``step`` adds a ``kvcompose.step`` span per worker step that moves KV for a
+sampled request (its first step, or a load), linked to each such request,
+with the children's step calls under it; ``layer`` adds the per-layer calls.
+Decode-only steps make no span: at a few milliseconds per step, a span per
+step and child would cost more than the step's work (see ``make bench``).
+Requests that are not sampled cost a dict look-up.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvcompose.config import Pipeline
 from kvcompose.metrics.recorder import OPERATION_LABELS
 from kvcompose.tracing import attributes as attr
-from kvcompose.tracing.provider import provider_for
+from kvcompose.tracing.provider import SHUTDOWN_FLUSH_MS, provider_for
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -232,12 +235,10 @@ class PipelineTracer:
     def step_requests(
         self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None
     ) -> tuple[TracedRequest, ...] | None:
-        """The sampled requests of the step being scheduled (new, loading and,
-        with step spans, all scheduled ones), for the workers."""
+        """The sampled requests whose KV the step being scheduled moves (new or
+        loading), for the workers."""
         new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
         ids = new_ids | set(loads or ())
-        if self._step_spans:
-            ids.update(scheduler_output.scheduled_cached_reqs.req_ids)
         traced = tuple(
             TracedRequest(req_id, entry.traceparent, req_id in new_ids)
             for req_id in ids
@@ -311,4 +312,7 @@ def pipeline_tracer(pipeline: Pipeline, role: str) -> PipelineTracer | NoTracing
     from kvcompose import __version__
 
     provider = provider_for(pipeline.tracing)
-    return PipelineTracer(provider.get_tracer("kvcompose", __version__), pipeline, role, provider.force_flush)
+    return PipelineTracer(
+        provider.get_tracer("kvcompose", __version__), pipeline, role,
+        flush=lambda: provider.force_flush(SHUTDOWN_FLUSH_MS),
+    )

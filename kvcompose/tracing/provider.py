@@ -23,6 +23,8 @@ from kvcompose.config import TracingSection
 # Spans waiting for export; beyond this they are dropped (and counted by the SDK).
 MAX_QUEUED_SPANS = 4096
 EXPORT_TIMEOUT_S = 5.0
+# How long a shutting-down engine waits for queued spans (an unreachable collector would hold it 30 s).
+SHUTDOWN_FLUSH_MS = 2000
 OTLP_TRACES_PATH = "/v1/traces"
 
 _lock = threading.Lock()
