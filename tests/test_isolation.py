@@ -169,3 +169,29 @@ def test_nothing_stays_behind_after_requests_finish(vllm_config_with: Callable) 
     _step(scheduler, worker)
     _step(scheduler, worker)
     assert scheduler.request_state_sizes() == worker.request_state_sizes() == {}
+
+
+def test_breaker_changes_are_span_events_even_outside_a_traced_call(vllm_config_with: Callable) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvcompose.tracing import set_tracer_provider
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    set_tracer_provider(provider)
+    try:
+        scripts = {"hot": {"raises": ["save_kv_layer"]}, "cold": {}}
+        children = [{"name": name, **RECORDING, "config": {"log": f"isolation/{name}", "script": script},
+                     "circuit_breaker": {"failures": 1}} for name, script in scripts.items()]
+        _, worker = composite_pair(vllm_config_with, {"version": 1, "name": "iso", "tracing": {"enabled": True},
+                                                      "children": children})
+        worker.save_kv_layer("layer.0", None, None)  # per-layer calls make no span at request granularity
+    finally:
+        set_tracer_provider(None)
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "kvcompose.circuit_breaker"
+    assert [(event.name, dict(event.attributes)) for event in span.events] == [
+        ("kvcompose.circuit_breaker", {"kvcompose.connector.name": "hot", "state": "open"})]

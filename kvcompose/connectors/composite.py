@@ -88,7 +88,7 @@ class KVComposeConnector(KVConnectorBase_V1):
             per_layer=self.pipeline.metrics.per_layer,
         )
         self._tracing = pipeline_tracer(self.pipeline, role.name.lower())
-        self._guards = [ChildGuard(child, self._bind_layer_calls) for child in self.pipeline.children]
+        self._guards = [ChildGuard(child, self._breaker_changed) for child in self.pipeline.children]
         self.children = [
             Child(spec, construct_child(spec, role, kv_cache_config), self._wrap_child_call)
             for spec in child_specs(vllm_config, self.pipeline)
@@ -116,7 +116,11 @@ class KVComposeConnector(KVConnectorBase_V1):
         metered = self._recorder.wrap(spec.name, operation, call)
         return self._tracing.wrap(spec, operation, self._guards[spec.index].wrap(operation, metered))
 
-    def _bind_layer_calls(self, changed: ChildGuard | None = None) -> None:
+    def _breaker_changed(self, guard: ChildGuard) -> None:
+        self._bind_layer_calls()
+        self._tracing.breaker_changed(guard.name, guard.state.name.lower())
+
+    def _bind_layer_calls(self) -> None:
         """Bind the per-layer calls (made once per layer per step) once, not per
         call, leaving out children whose circuit is open."""
         usable = [c for c in self.children if self._guards[c.index].state is not BreakerState.OPEN]

@@ -23,7 +23,7 @@ from opentelemetry import trace
 
 from kvcompose.config import ChildConfig
 from kvcompose.logs import get_logger
-from kvcompose.tracing.attributes import CONNECTOR_NAME, mark_error, mark_skipped
+from kvcompose.tracing.attributes import mark_error, mark_skipped
 
 logger = get_logger("isolation")
 
@@ -171,9 +171,6 @@ class ChildGuard:
 
     def _set_state(self, state: BreakerState) -> None:
         self.state = state
-        span = trace.get_current_span()
-        if span.is_recording():
-            span.add_event("kvcompose.circuit_breaker", {CONNECTOR_NAME: self.name, "state": state.name.lower()})
         logger.warning("circuit breaker", connector=self.name, state=state.name.lower(),
                        cooldown_s=self._cooldown_s)
         if self._on_state_change is not None:

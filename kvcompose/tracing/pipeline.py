@@ -268,6 +268,18 @@ class PipelineTracer:
         self._step, self._step_loaders, self._step_contexts = (), {}, {}
         self._step_span, self._step_context = None, None
 
+    def breaker_changed(self, connector: str, state: str) -> None:
+        """A ``kvcompose.circuit_breaker`` event on the current span, or on a span of its own
+        when the change happens outside a traced call."""
+        attributes = {attr.CONNECTOR_NAME: connector, "state": state}
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.add_event("kvcompose.circuit_breaker", attributes)
+            return
+        own = self._tracer.start_span("kvcompose.circuit_breaker", attributes={**attributes, attr.ROLE: self._role})
+        own.add_event("kvcompose.circuit_breaker", attributes)
+        own.end()
+
     def close(self) -> None:
         """End what is still open and export it (engine shutting down)."""
         for entry in self._requests.values():
@@ -299,6 +311,9 @@ class NoTracing:
         pass
 
     def end_step(self) -> None:
+        pass
+
+    def breaker_changed(self, connector: str, state: str) -> None:
         pass
 
     def close(self) -> None:
