@@ -15,26 +15,16 @@ from typing import Any
 
 from benchmarks.connectors import kvcompose_connector, pipeline
 from benchmarks.timing import per_call_ns
+from kvcompose.testing.steps import forward_step
 
 WORKERS = 64
 CHILDREN = 16
 LAYERS = 2  # the tiny model's
 
 
-def _step(worker: Any) -> None:
-    """One forward step's worker-side calls, in vLLM's order."""
-    worker.start_load_kv(None)
-    for layer in range(LAYERS):
-        worker.wait_for_layer_load(f"model.layers.{layer}")
-        worker.save_kv_layer(f"model.layers.{layer}", None, None)
-    worker.wait_for_save()
-    worker.get_transfer_results(set())
-    worker.get_block_ids_with_load_errors()
-
-
 def _stats_after(worker: Any, steps: int) -> Any:
     for _ in range(steps):
-        _step(worker)
+        forward_step(worker, LAYERS)
     return worker.get_kv_connector_stats()
 
 

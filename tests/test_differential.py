@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvcompose.testing import recording
+from kvcompose.testing.steps import forward_step
 
 from .connector_support import RECORDING
 from .connector_support import make_blocks as _blocks
@@ -118,13 +119,7 @@ def _step(side: Side, finished: set[str], layers: int = 2) -> list[Any]:
     out: list[Any] = []
     metadata = side.scheduler.build_connector_meta(SchedulerOutput.make_empty())
     side.worker.bind_connector_metadata(metadata)
-    side.worker.start_load_kv(None)
-    for layer in range(layers):
-        side.worker.wait_for_layer_load(f"layer.{layer}")
-        side.worker.save_kv_layer(f"layer.{layer}", None, None)
-    side.worker.wait_for_save()
-    out.append(side.worker.get_transfer_results(finished))
-    out.append(side.worker.get_block_ids_with_load_errors())
+    out += forward_step(side.worker, layers, finished)
     out.append(side.worker.build_connector_worker_meta())
     side.worker.clear_connector_metadata()
     return out

@@ -15,6 +15,7 @@ import pytest
 
 from kvcompose.connectors.isolation import BreakerState
 from kvcompose.testing import recording
+from kvcompose.testing.steps import forward_step
 
 from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
 
@@ -35,13 +36,7 @@ def _calls(name: str, method: str) -> int:
 
 def _step(scheduler: Any, worker: Any, new: list[Any] = (), finished: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
     worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=new)))
-    worker.start_load_kv(None)
-    for layer in range(2):
-        worker.wait_for_layer_load(f"layer.{layer}")
-        worker.save_kv_layer(f"layer.{layer}", None, None)
-    worker.wait_for_save()
-    results = worker.get_transfer_results(set(finished))
-    load_errors = worker.get_block_ids_with_load_errors()
+    results, load_errors = forward_step(worker, finished=finished)
     worker.clear_connector_metadata()
     return {"sent": results.finished_sending, "received": results.finished_recving,
             "failed": results.failed_recving, "load_errors": load_errors}

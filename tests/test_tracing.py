@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from kvcompose.testing import recording
+from kvcompose.testing.steps import forward_step
 from kvcompose.tracing import NoTracing, set_tracer_provider
 from kvcompose.tracing import attributes as attr
 from kvcompose.config import TracingSection
@@ -56,13 +57,7 @@ def _serve_one_request(scheduler: Any, worker: Any, request: Any, layers: int = 
     scheduler.update_state_after_alloc(request, make_blocks(1, 2), tokens)
     metadata = scheduler.build_connector_meta(scheduler_output(new=[request]))
     worker.bind_connector_metadata(metadata)
-    worker.start_load_kv(None)
-    for layer in range(layers):
-        worker.wait_for_layer_load(f"model.layers.{layer}")
-        worker.save_kv_layer(f"model.layers.{layer}", None, None)
-    worker.wait_for_save()
-    worker.get_transfer_results(set())
-    worker.get_block_ids_with_load_errors()
+    forward_step(worker, layers)
     worker.clear_connector_metadata()
     scheduler.request_finished(request, [1, 2])
     return metadata
