@@ -45,6 +45,18 @@ def wire_bytes(stats: Any) -> int:
     return sum(len(buffer) for buffer in MsgpackEncoder().encode(stats.to_dict()))
 
 
+def bound_bytes(children: list[str], buckets: int) -> int:
+    """Size of the largest payload a pipeline of ``children`` can send: every cell used, every number long."""
+    from kvcompose.metrics.stats import KVComposeStats
+    from kvcompose.metrics.table import CallTable
+
+    table = CallTable.zeros(children, buckets)
+    table.calls[:] = 2**62
+    table.seconds[:] = 1 / 3
+    table.counters[:] = 2**62
+    return wire_bytes(KVComposeStats(data={"calls": table}))
+
+
 def prometheus_metrics(bench_pipeline: dict[str, Any]) -> Any:
     """kvcompose's Prometheus metrics as vLLM's front-end builds them (one engine)."""
     from prometheus_client import Counter, Gauge, Histogram
@@ -69,6 +81,7 @@ def measure(workers: int = WORKERS, children: int = CHILDREN, heavy_steps: int =
         "metrics": prometheus_metrics(bench_pipeline), "step": payloads[0].to_dict()}}, rounds=rounds,
         calls=calls)["observe"]
     one_step, many_steps = wire_bytes(payloads[0]), wire_bytes(_stats_after(worker, heavy_steps))
+    bound = bound_bytes(list(payloads[0].calls.children), payloads[0].calls.calls.shape[-1])
     return {
         "workers": workers,
         "children": children,
@@ -76,6 +89,7 @@ def measure(workers: int = WORKERS, children: int = CHILDREN, heavy_steps: int =
         "observe_step_us": observe_ns / 1e3,
         "worker_payload_bytes": {"1_step": one_step, f"{heavy_steps}_steps": many_steps},
         "payload_growth": many_steps / one_step,
+        "payload_bound_bytes": bound,
         "merged_payload_bytes": wire_bytes(merge(payloads)),
     }
 
@@ -92,6 +106,7 @@ def table(result: dict[str, Any]) -> str:
         f"{result['observe_step_us']:.0f} us |",
         f"| one worker's payload after {one_label.replace('_', ' ')} / {many_label.replace('_', ' ')} | "
         f"{one} B / {many} B ({result['payload_growth']:.2f}x) |",
+        f"| largest payload this pipeline can send (every cell used) | {result['payload_bound_bytes']} B |",
         f"| merged payload ({result['workers']} workers) | {result['merged_payload_bytes']} B |",
     ])
 

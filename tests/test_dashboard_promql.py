@@ -12,6 +12,7 @@ out by hand next to each series.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
 import subprocess
@@ -242,7 +243,7 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     from kvcompose.connectors import KVComposeConnector
     from kvcompose.connectors.children import child_specs
     from kvcompose.metrics.native import NativeStats, class_path
-    from kvcompose.metrics.recorder import ChildRecorder
+    from kvcompose.metrics.recorder import PipelineRecorder
 
     registry = CollectorRegistry()
     metric_types: dict[type, Any] = {kind: functools.partial(kind, registry=registry)
@@ -252,15 +253,15 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     prom = KVComposeConnector.build_prom_metrics(config, metric_types, ["model_name", "engine"], {0: ["m", "0"]})
     specs = {spec.name: spec for spec in child_specs(config, load_pipeline(NATIVE_PIPELINE))}
 
-    children = {}
-    for child in specs:
-        recorder = ChildRecorder(load_pipeline(NATIVE_PIPELINE).metrics.latency_buckets)
-        recorder.histogram("lookup").observe(0.003)
-        recorder.histogram("start_load_kv").observe(0.02)
-        recorder.count_error("lookup", "OSError")
-        recorder.counters.update(lookup_hits=2, lookup_misses=1, matched_tokens=32, loaded_tokens=16,
-                                 load_error_blocks=1)
-        children[child] = recorder.take()
+    recorder = PipelineRecorder(True, load_pipeline(NATIVE_PIPELINE).metrics.latency_buckets, list(specs))
+    for child in specs:  # a call of every kind that feeds a kvcompose series
+        lookup = recorder.wrap(child, "get_num_new_matched_tokens", lambda request, computed: (computed, False))
+        lookup(None, 16)  # a hit
+        lookup(None, 0)  # a miss
+        recorder.wrap(child, "update_state_after_alloc", lambda request, blocks, tokens: None)(None, None, 16)
+        recorder.wrap(child, "get_block_ids_with_load_errors", lambda: {1})()
+        with contextlib.suppress(OSError):
+            recorder.wrap(child, "start_load_kv", _raise_os_error)(None)
 
     offload = OffloadingConnectorStats()  # one observation of every metric OffloadingConnector defines
     definitions = {**OffloadingSpecFactory.get_spec_cls({}).build_metric_definitions({}),
@@ -279,8 +280,12 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     native = {"hot": NativeStats(class_path(specs["hot"].connector_cls), offload).to_dict(),
               "cold": NativeStats(class_path(specs["cold"].connector_cls), nixl).to_dict()}
     breakers = {child: {"state": 2, "opens": 1} for child in specs}
-    prom.observe({"children": children, "breakers": breakers, "native": native}, 0)
+    prom.observe({"calls": recorder.take().to_dict(), "breakers": breakers, "native": native}, 0)
     return list(text_string_to_metric_families(generate_latest(registry).decode()))
+
+
+def _raise_os_error(forward_context: Any) -> None:
+    raise OSError("tier unreachable")
 
 
 def expr_test(expr: str, expected: list[tuple[dict[str, str], float]]) -> dict[str, Any]:

@@ -347,9 +347,9 @@ def test_through_the_composite_lies_count_as_load_errors_and_faults_by_type(
         worker.start_load_kv(None)
     assert worker.get_block_ids_with_load_errors() == {5, 6, 7}
 
-    flaky = worker.get_kv_connector_stats().children["flaky"]
-    assert flaky["errors"] == {"start_load_kv": {"InjectedFault": 1}}
-    assert flaky["counters"]["load_error_blocks"] == 3
+    calls = worker.get_kv_connector_stats().calls
+    assert calls.errors["flaky"] == {"start_load_kv": {"InjectedFault": 1}}
+    assert calls.counter("flaky", "load_error_blocks") == 3
 
 
 # ---------------------------------------------------------------- stats and metrics of the inner connector

@@ -44,9 +44,16 @@ def _lookups(exposition: str, child: str) -> float:
 
 
 def _payload(child: str, hits: int) -> dict[str, Any]:
-    counters = {"lookup_hits": hits, "lookup_misses": 0, "matched_tokens": 0, "loaded_tokens": 0,
-                "load_error_blocks": 0}
-    return {"children": {child: {"ops": {}, "errors": {}, "counters": counters}}}
+    """What a step with ``hits`` lookup hits by ``child`` sends to the front-end."""
+    from kvcompose.config import DEFAULT_LATENCY_BUCKETS
+    from kvcompose.metrics.recorder import PipelineRecorder
+    from kvcompose.metrics.stats import KVComposeStats
+
+    recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, [child])
+    lookup = recorder.wrap(child, "get_num_new_matched_tokens", lambda request, computed: (16, False))
+    for _ in range(hits):
+        lookup(None, 0)
+    return KVComposeStats(data={"calls": recorder.take()}).to_dict()
 
 
 def test_second_stat_logger_in_one_process_replaces_the_first(vllm_config_with: Callable) -> None:

@@ -1,81 +1,94 @@
-"""KVComposeStats and the per-child recorder: merging, bounds, reset."""
+"""KVComposeStats, its CallTable and the per-process recorder: merging, buckets, bounds, reset."""
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompose.config import DEFAULT_LATENCY_BUCKETS
-from kvcompose.metrics.histogram import BucketHistogram, quantile
-from kvcompose.metrics.recorder import PipelineRecorder
+from kvcompose.metrics import recorder as recorder_module
+from kvcompose.metrics.recorder import PipelineRecorder, bucket_latencies
 from kvcompose.metrics.stats import KVComposeStats
+from kvcompose.metrics.summary import quantile
+from kvcompose.metrics.table import COUNTERS, OPS, CallTable
 
 BOUNDS = (0.001, 0.01, 0.1)
-OPS = ("lookup", "save_kv_layer", "start_load_kv")
 CHILDREN = ("hot", "cold", "remote")
+CELLS = len(CHILDREN) * len(OPS) * (len(BOUNDS) + 1)
 
-# Integer-valued sums keep float addition exact, so equality is exact.
-histograms = st.fixed_dictionaries({
-    "n": st.lists(st.integers(0, 50), min_size=4, max_size=4),
-    "s": st.lists(st.integers(0, 1000).map(float), min_size=4, max_size=4),
+
+def _table_dicts() -> st.SearchStrategy[dict[str, Any]]:
+    shape = (len(CHILDREN), len(OPS), len(BOUNDS) + 1)
+    # Integer-valued sums keep float addition exact, so equality is exact.
+    return st.builds(
+        lambda calls, seconds, counters, errors: CallTable(
+            CHILDREN, np.array(calls).reshape(shape), np.array(seconds, float).reshape(shape),
+            np.array(counters).reshape(len(CHILDREN), len(COUNTERS)), errors).to_dict(),
+        st.lists(st.integers(0, 50), min_size=CELLS, max_size=CELLS),
+        st.lists(st.integers(0, 1000), min_size=CELLS, max_size=CELLS),
+        st.lists(st.integers(0, 100), min_size=len(CHILDREN) * len(COUNTERS), max_size=len(CHILDREN) * len(COUNTERS)),
+        st.dictionaries(st.sampled_from(CHILDREN), st.dictionaries(
+            st.sampled_from(OPS), st.dictionaries(st.sampled_from(["OSError", "KeyError"]), st.integers(1, 5),
+                                                  min_size=1, max_size=2), min_size=1, max_size=2), max_size=2),
+    )
+
+
+payloads = st.fixed_dictionaries({
+    "calls": st.none() | _table_dicts(),
+    "breakers": st.dictionaries(st.sampled_from(CHILDREN), st.fixed_dictionaries(
+        {"state": st.integers(0, 2), "opens": st.integers(0, 3)}), max_size=2),
 })
-child_payloads = st.fixed_dictionaries({
-    "ops": st.dictionaries(st.sampled_from(OPS), histograms, max_size=3),
-    "errors": st.dictionaries(st.sampled_from(OPS), st.dictionaries(st.sampled_from(["OSError", "KeyError"]),
-                                                                  st.integers(1, 5), max_size=2), max_size=2),
-    "counters": st.fixed_dictionaries({k: st.integers(0, 100) for k in
-                                       ("lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens",
-                                        "load_error_blocks")}),
-})
-payloads = st.fixed_dictionaries({"children": st.dictionaries(st.sampled_from(CHILDREN), child_payloads, max_size=3)})
 
 
 def merged(*parts: dict[str, Any]) -> dict[str, Any]:
-    stats = KVComposeStats.from_payload(copy.deepcopy(parts[0]))
+    stats = KVComposeStats.from_payload(parts[0])
     for part in parts[1:]:
-        stats = stats.aggregate(KVComposeStats.from_payload(copy.deepcopy(part)))
+        stats = stats.aggregate(KVComposeStats.from_payload(part))
     return json.loads(json.dumps(stats.to_dict(), sort_keys=True))
-
-
-def canonical(payload: dict[str, Any]) -> dict[str, Any]:
-    """Drop empty error maps so ``{}`` and absent compare equal."""
-    for child in payload["children"].values():
-        child["errors"] = {op: e for op, e in child["errors"].items() if e}
-    return payload
 
 
 @settings(max_examples=200, deadline=None)
 @given(payloads, payloads, payloads)
 def test_aggregate_is_associative_and_commutative(a: dict[str, Any], b: dict[str, Any], c: dict[str, Any]) -> None:
-    assert canonical(merged(a, b)) == canonical(merged(b, a))
-    left = canonical(merged(merged(a, b), c))
-    right = canonical(merged(a, merged(b, c)))
-    assert left == right
+    assert merged(a, b) == merged(b, a)
+    assert merged(merged(a, b), c) == merged(a, merged(b, c))
 
 
 @settings(max_examples=100, deadline=None)
 @given(payloads, payloads)
 def test_aggregate_does_not_modify_its_inputs(a: dict[str, Any], b: dict[str, Any]) -> None:
-    first, second = KVComposeStats.from_payload(copy.deepcopy(a)), KVComposeStats.from_payload(copy.deepcopy(b))
+    first, second = KVComposeStats.from_payload(a), KVComposeStats.from_payload(b)
     before = json.dumps(second.to_dict(), sort_keys=True)
+    first.aggregate(second)
     first.aggregate(second)
     assert json.dumps(second.to_dict(), sort_keys=True) == before
 
 
-def test_histogram_buckets_follow_prometheus_le() -> None:
-    h = BucketHistogram(BOUNDS)
-    for value in (0.0005, 0.001, 0.002, 0.1, 5.0):
-        h.observe(value)
-    payload = h.take()
-    assert payload is not None
-    assert payload["n"] == [2, 1, 1, 1]
-    assert payload["s"] == pytest.approx([0.0015, 0.002, 0.1, 5.0])
-    assert h.take() is None
+def test_tables_of_different_pipelines_do_not_merge() -> None:
+    table = CallTable.zeros(("hot", "cold"), len(BOUNDS) + 1)
+    with pytest.raises(ValueError, match="different pipelines"):
+        table.add(CallTable.zeros(("hot", "disk"), len(BOUNDS) + 1))
+    with pytest.raises(ValueError, match="different pipelines"):
+        table.add(CallTable.zeros(("hot", "cold"), len(BOUNDS) + 2))
+
+
+def test_stats_of_another_kvcompose_version_are_refused_with_a_reason() -> None:
+    payload = CallTable.zeros(("hot",), 4).to_dict()
+    payload["ops"] = payload["ops"][:-1]
+    with pytest.raises(ValueError, match="one kvcompose version"):
+        CallTable.from_dict(payload)
+
+
+def test_buckets_follow_prometheus_le() -> None:
+    shape = (1, 1, len(BOUNDS) + 1)
+    calls, seconds = bucket_latencies([0] * 5, [0.0005, 0.001, 0.002, 0.1, 5.0], np.asarray(BOUNDS), shape)
+    assert calls.tolist() == [[[2, 1, 1, 1]]]
+    assert seconds[0, 0] == pytest.approx([0.0015, 0.002, 0.1, 5.0])
 
 
 def test_quantile_interpolates_like_histogram_quantile() -> None:
@@ -88,44 +101,64 @@ class Failing(Exception):
     pass
 
 
+def _boom(*args: Any) -> None:
+    raise Failing
+
+
 def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
-    recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"], per_layer=True)
+    recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot", "cold"], per_layer=True)
     lookup = recorder.wrap("hot", "get_num_new_matched_tokens", lambda request, n: (n, False))
     alloc = recorder.wrap("hot", "update_state_after_alloc", lambda request, blocks, n: None)
     errors = recorder.wrap("hot", "get_block_ids_with_load_errors", lambda: {3, 4})
-
-    def boom(*args: Any) -> None:
-        raise Failing
-
-    save = recorder.wrap("hot", "save_kv_layer", boom)
-    assert recorder.wrap("hot", "shutdown", boom) is boom  # not a recorded operation
+    save = recorder.wrap("cold", "save_kv_layer", _boom)
+    assert recorder.wrap("hot", "shutdown", _boom) is _boom  # not a recorded operation
     assert lookup(None, 32) == (32, False) and lookup(None, 0) == (0, False)
     alloc(None, None, 32)
     assert errors() == {3, 4}
     with pytest.raises(Failing):
         save("layer.0", None, None)
-    payload = recorder.take()["hot"]
-    assert payload["counters"] == {"lookup_hits": 1, "lookup_misses": 1, "matched_tokens": 32,
-                                   "loaded_tokens": 32, "load_error_blocks": 2}
-    assert payload["errors"] == {"save_kv_layer": {"Failing": 1}}
-    assert sum(payload["ops"]["lookup"]["n"]) == 2 and sum(payload["ops"]["save_kv_layer"]["n"]) == 1
-    assert recorder.take() == {}
-    assert KVComposeStats(data={"children": recorder.take()}).is_empty()
+    recorder.count_load_errors("cold", 5)
+
+    table = recorder.take()
+    assert table is not None
+    assert {name: table.counter("hot", name) for name in COUNTERS} == {
+        "lookup_hits": 1, "lookup_misses": 1, "matched_tokens": 32, "loaded_tokens": 32, "load_error_blocks": 2}
+    assert table.counter("cold", "load_error_blocks") == 5
+    assert table.errors == {"cold": {"save_kv_layer": {"Failing": 1}}}
+    assert table.call_count("hot", "lookup") == 2 and table.call_count("cold", "save_kv_layer") == 1
+    assert table.call_count("cold", "lookup") == 0
+    assert int(table.calls.sum()) == 5  # every timed call, the failed one too
+    assert recorder.take() is None
+
+
+def test_pending_latencies_are_folded_before_they_pile_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recorder_module, "MAX_PENDING_CALLS", 8)
+    recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"])
+    wait = recorder.wrap("hot", "wait_for_save", lambda: None)
+    for _ in range(20):
+        wait()
+    assert len(recorder._cells) < 8  # folded twice on the way
+    assert recorder.take().call_count("hot", "wait_for_save") == 20
 
 
 def test_payload_size_is_bounded_whatever_the_traffic() -> None:
-    def size_after(calls: int) -> int:
+    def payload_after(calls: int) -> dict[str, Any]:
         recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, list(CHILDREN), per_layer=True)
         save = {c: recorder.wrap(c, "save_kv_layer", lambda *a: None) for c in CHILDREN}
         for i in range(calls):
             save[CHILDREN[i % 3]](f"layer.{i}", None, None)
-        return _leaves(KVComposeStats(data={"children": recorder.take()}).to_dict())
+        return KVComposeStats(data={"calls": recorder.take()}).to_dict()
 
-    bound = len(CHILDREN) * 1 * 2 * (len(DEFAULT_LATENCY_BUCKETS) + 1) + len(CHILDREN) * 5
-    assert size_after(300) == size_after(30_000) <= bound
+    every_cell_used = CallTable.zeros(CHILDREN, len(DEFAULT_LATENCY_BUCKETS) + 1)
+    every_cell_used.calls[:] = 1
+    bound = _leaves(KVComposeStats(data={"calls": every_cell_used}).to_dict())
+    for calls in (300, 30_000):
+        payload = payload_after(calls)
+        assert sum(payload["calls"]["calls"]) == calls and _leaves(payload) <= bound
 
 
 def _leaves(value: Any) -> int:
+    """Numbers and strings in a payload: what its size grows with."""
     if isinstance(value, dict):
         return sum(_leaves(v) for v in value.values())
     if isinstance(value, list):
@@ -143,11 +176,12 @@ def test_per_layer_operations_are_timed_only_on_request() -> None:
 def test_metrics_off_wraps_nothing() -> None:
     recorder = PipelineRecorder(False, DEFAULT_LATENCY_BUCKETS, ["hot"])
     call = lambda: None  # noqa: E731
-    assert recorder.wrap("hot", "save_kv_layer", call) is call and recorder.take() == {}
+    assert recorder.wrap("hot", "save_kv_layer", call) is call and recorder.take() is None
 
 
 def test_reduce_reports_per_child_numbers() -> None:
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"])
     recorder.wrap("hot", "get_num_new_matched_tokens", lambda r, n: (16, False))(None, 0)
-    reduced = KVComposeStats(data={"children": recorder.take()}).reduce()
+    reduced = KVComposeStats(data={"calls": recorder.take()}).reduce()
     assert reduced["hot.lookup_hits"] == 1 and reduced["hot.lookup.calls"] == 1
+    assert reduced["hot.lookup.mean_ms"] >= 0 and "hot.wait_for_save.calls" not in reduced

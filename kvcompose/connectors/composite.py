@@ -56,7 +56,7 @@ from kvcompose.logs import configure_logging, get_logger
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.prometheus import KVComposePromMetrics
 from kvcompose.metrics.recorder import PipelineRecorder
-from kvcompose.metrics.stats import CHILDREN_KEY, KVComposeStats
+from kvcompose.metrics.stats import KVComposeStats
 from kvcompose.tracing import pipeline_tracer
 
 logger = get_logger("connector")
@@ -312,7 +312,8 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """kvcompose's per-child call stats plus each child's own stats, since the last call."""
-        stats = KVComposeStats(data={CHILDREN_KEY: self._recorder.take()})
+        stats = KVComposeStats()
+        stats.calls = self._recorder.take()
         for child, guard in zip(self.children, self._guards, strict=True):
             if (report := guard.take_report()) is not None:
                 stats.breakers[child.name] = report

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from kvcompose.metrics.native import NativeStats
-from kvcompose.metrics.stats import BREAKERS_KEY, CHILDREN_KEY, NATIVE_KEY
+from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY
+from kvcompose.metrics.table import COUNTERS, OPS, CallTable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,6 +30,15 @@ if TYPE_CHECKING:
 
 CONNECTOR_LABEL = "connector"
 METRIC_PREFIX = "kvcompose_"
+
+# Each counter of a CallTable: the attribute holding its Prometheus counter, and extra label values.
+_COUNTER_SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "lookup_hits": ("lookups", ("hit",)),
+    "lookup_misses": ("lookups", ("miss",)),
+    "matched_tokens": ("matched_tokens", ()),
+    "loaded_tokens": ("loaded_tokens", ()),
+    "load_error_blocks": ("load_error_blocks", ()),
+}
 
 
 def unregister_kvcompose_metrics() -> None:
@@ -107,40 +118,42 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
             for spec in specs:
                 info.labels(*engine_labels, pipeline.name, spec.name, spec.class_name, str(spec.index)).set(1)
                 self.child_state.labels(*engine_labels, spec.name).set(0)
+        self._duration_series: dict[tuple[int, str, str], Any] = {}  # labels() costs more than an observation
         self._native = _NativeChildMetrics(metric_types, labelnames, per_engine_labelvalues, specs)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
-        for child, payload in transfer_stats_data.get(CHILDREN_KEY, {}).items():
-            labels = [*engine_labels, child]
-            for op, histogram in payload["ops"].items():
-                series = self.duration.labels(*labels, op)
-                # Each bucket's mean lies inside the bucket: replaying it n times
-                # gives Prometheus the exact bucket counts and the exact sum.
-                for count, total in zip(histogram["n"], histogram["s"], strict=True):
-                    if count:
-                        mean = total / count
-                        for _ in range(count):
-                            series.observe(mean)
-            for op, by_type in payload["errors"].items():
-                for error_type, count in by_type.items():
-                    self.errors.labels(*labels, op, error_type).inc(count)
-            counters = payload["counters"]
-            _inc(self.lookups.labels(*labels, "hit"), counters["lookup_hits"])
-            _inc(self.lookups.labels(*labels, "miss"), counters["lookup_misses"])
-            _inc(self.matched_tokens.labels(*labels), counters["matched_tokens"])
-            _inc(self.loaded_tokens.labels(*labels), counters["loaded_tokens"])
-            _inc(self.load_error_blocks.labels(*labels), counters["load_error_blocks"])
+        if (calls := transfer_stats_data.get(CALLS_KEY)) is not None:
+            self._observe_calls(CallTable.from_dict(calls) if isinstance(calls, dict) else calls, engine_idx)
         for child, breaker in transfer_stats_data.get(BREAKERS_KEY, {}).items():
             self.child_state.labels(*engine_labels, child).set(breaker["state"])
-            _inc(self.breaker_opens.labels(*engine_labels, child), breaker["opens"])
+            if breaker["opens"]:
+                self.breaker_opens.labels(*engine_labels, child).inc(breaker["opens"])
         for child, entry in transfer_stats_data.get(NATIVE_KEY, {}).items():
             self._native.observe(child, entry, engine_idx)
 
-
-def _inc(series: Any, amount: int) -> None:
-    if amount:
-        series.inc(amount)
+    def _observe_calls(self, table: CallTable, engine_idx: int) -> None:
+        engine_labels = self.per_engine_labelvalues[engine_idx]
+        cells = np.nonzero(table.calls)
+        rows, columns = cells[0].tolist(), cells[1].tolist()
+        for row, column, count, total in zip(rows, columns, table.calls[cells].tolist(),
+                                             table.seconds[cells].tolist(), strict=True):
+            key = (engine_idx, table.children[row], OPS[column])
+            if (series := self._duration_series.get(key)) is None:
+                series = self._duration_series[key] = self.duration.labels(*engine_labels, *key[1:])
+            # The cell's mean latency lies inside its bucket: observing it ``count``
+            # times gives Prometheus the exact bucket counts and the exact sum.
+            mean = total / count
+            for _ in range(count):
+                series.observe(mean)
+        for row, column in zip(*np.nonzero(table.counters), strict=True):
+            metric, extra_labels = _COUNTER_SERIES[COUNTERS[column]]
+            getattr(self, metric).labels(*engine_labels, table.children[row], *extra_labels).inc(
+                int(table.counters[row, column]))
+        for child, by_op in table.errors.items():
+            for op, by_type in by_op.items():
+                for error_type, count in by_type.items():
+                    self.errors.labels(*engine_labels, child, op, error_type).inc(count)
 
 
 class _NativeChildMetrics:

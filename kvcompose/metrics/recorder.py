@@ -1,10 +1,11 @@
-"""Per-process recording of every child call: latency, errors and counters.
+"""Per-process recording of every child call: latency, errors and what the call meant.
 
-The composite asks :func:`metered` to wrap each child operation once at
-start-up; the wrapper times the call, counts errors by type and, for the
-operations listed in ``_RESULT_COUNTERS``, counts what the call meant
-(a lookup hit or miss, tokens matched or loaded, blocks that failed to load).
-``take`` hands the counts since the last call to vLLM's stats pipeline.
+The composite asks :meth:`PipelineRecorder.wrap` to wrap each child operation
+once, at start-up. A wrapped call costs two clock reads and two list appends;
+latencies are sorted into buckets only when vLLM asks for the step's stats
+(:meth:`PipelineRecorder.take`), all of them at once. For the operations in
+``_RESULT_COUNTERS`` the wrapper also counts what the call meant (a lookup
+hit or miss, tokens matched or loaded, blocks that failed to load).
 """
 
 from __future__ import annotations
@@ -13,16 +14,9 @@ from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any
 
-from kvcompose.metrics.histogram import BucketHistogram
+import numpy as np
 
-COUNTERS = ("lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens", "load_error_blocks")
-
-# Called once per layer per step: timed only with ``metrics.per_layer`` (about
-# 1 us per call and child on a 2-core CPU, several times MultiConnector's own cost).
-PER_LAYER_OPERATIONS: dict[str, str] = {
-    "wait_for_layer_load": "wait_for_layer_load",
-    "save_kv_layer": "save_kv_layer",
-}
+from kvcompose.metrics.table import COUNTERS, OPS, CallTable, ErrorCounts
 
 # Operations recorded, as they are named in Prometheus' ``op`` label.
 OPERATION_LABELS: dict[str, str] = {
@@ -37,111 +31,138 @@ OPERATION_LABELS: dict[str, str] = {
     "get_block_ids_with_load_errors": "get_block_ids_with_load_errors",
 }
 
+# Called once per layer per step: timed only with ``metrics.per_layer`` (a
+# timed call costs several times what MultiConnector spends per layer).
+PER_LAYER_OPERATIONS: dict[str, str] = {
+    "wait_for_layer_load": "wait_for_layer_load",
+    "save_kv_layer": "save_kv_layer",
+}
 
-class ChildRecorder:
-    """Counts for one child since the last :meth:`take`."""
+# Latencies kept unbucketed before they are folded into the table; bounds the
+# memory of a process whose stats nobody takes (vLLM takes them every step).
+MAX_PENDING_CALLS = 1 << 16
 
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.latency: dict[str, BucketHistogram] = {}
-        self.errors: dict[str, dict[str, int]] = {}
-        self.counters = dict.fromkeys(COUNTERS, 0)
-
-    def histogram(self, op: str) -> BucketHistogram:
-        if (histogram := self.latency.get(op)) is None:
-            histogram = self.latency[op] = BucketHistogram(self.bounds)
-        return histogram
-
-    def count_error(self, op: str, error_type: str) -> None:
-        by_type = self.errors.setdefault(op, {})
-        by_type[error_type] = by_type.get(error_type, 0) + 1
-
-    def take(self) -> dict[str, Any] | None:
-        """The payload since the last take (None if nothing happened), then reset."""
-        ops = {op: payload for op, h in self.latency.items() if (payload := h.take()) is not None}
-        if not ops and not self.errors and not any(self.counters.values()):
-            return None
-        payload = {"ops": ops, "errors": self.errors, "counters": self.counters}
-        self.errors = {}
-        self.counters = dict.fromkeys(COUNTERS, 0)
-        return payload
+_HITS, _MISSES, _MATCHED, _LOADED, _LOAD_ERRORS = (COUNTERS.index(name) for name in (
+    "lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens", "load_error_blocks"))
 
 
-def _count_lookup(recorder: ChildRecorder, args: tuple[Any, ...], result: Any) -> None:
+def _count_lookup(counts: list[int], args: tuple[Any, ...], result: Any) -> None:
     tokens = result[0]
     if tokens is None:
         return
     if tokens > 0:
-        recorder.counters["lookup_hits"] += 1
-        recorder.counters["matched_tokens"] += tokens
+        counts[_HITS] += 1
+        counts[_MATCHED] += tokens
     else:
-        recorder.counters["lookup_misses"] += 1
+        counts[_MISSES] += 1
 
 
-def _count_loaded(recorder: ChildRecorder, args: tuple[Any, ...], result: Any) -> None:
-    recorder.counters["loaded_tokens"] += args[2]
+def _count_loaded(counts: list[int], args: tuple[Any, ...], result: Any) -> None:
+    counts[_LOADED] += args[2]
 
 
-def _count_load_errors(recorder: ChildRecorder, args: tuple[Any, ...], result: Any) -> None:
-    recorder.counters["load_error_blocks"] += len(result)
+def _count_load_errors(counts: list[int], args: tuple[Any, ...], result: Any) -> None:
+    counts[_LOAD_ERRORS] += len(result)
 
 
-_RESULT_COUNTERS: dict[str, Callable[[ChildRecorder, tuple[Any, ...], Any], None]] = {
+_RESULT_COUNTERS: dict[str, Callable[[list[int], tuple[Any, ...], Any], None]] = {
     "get_num_new_matched_tokens": _count_lookup,
     "update_state_after_alloc": _count_loaded,
     "get_block_ids_with_load_errors": _count_load_errors,
 }
 
 
-def metered(
-    recorder: ChildRecorder, operation: str, call: Callable[..., Any], per_layer: bool = False
-) -> Callable[..., Any]:
-    """Wrap ``call`` to record its latency, errors and result counters.
-
-    Operations outside ``OPERATION_LABELS`` (binding, shutdown, ...) and, unless
-    ``per_layer``, the per-layer ones are returned unwrapped.
-    """
-    op = OPERATION_LABELS.get(operation) or (PER_LAYER_OPERATIONS.get(operation) if per_layer else None)
-    if op is None:
-        return call
-    histogram = recorder.histogram(op)
-    count_result = _RESULT_COUNTERS.get(operation)
-
-    def observed(*args: Any, **kwargs: Any) -> Any:
-        start = perf_counter()
-        try:
-            result = call(*args, **kwargs)
-        except Exception as error:
-            histogram.observe(perf_counter() - start)
-            recorder.count_error(op, type(error).__name__)
-            raise
-        histogram.observe(perf_counter() - start)
-        if count_result is not None:
-            count_result(recorder, args, result)
-        return result
-
-    observed.__wrapped__ = call  # type: ignore[attr-defined]
-    return observed
-
-
 class PipelineRecorder:
-    """One :class:`ChildRecorder` per child; does nothing when metrics are off."""
+    """Every child's calls in this process since the last :meth:`take`; records nothing when metrics are off."""
 
     def __init__(
         self, enabled: bool, bounds: Sequence[float], child_names: Sequence[str], per_layer: bool = False
     ) -> None:
         self.enabled = enabled
         self.per_layer = per_layer
-        self.children = {name: ChildRecorder(bounds) for name in child_names} if enabled else {}
+        self._children = tuple(child_names)
+        self._bounds = np.asarray(bounds, np.float64)
+        self._table = CallTable.zeros(self._children, len(bounds) + 1)
+        # Filled on the hot path, in place (wrappers hold references to them).
+        self._cells: list[int] = []  # (child, op) of each call, as child * len(OPS) + op
+        self._latencies: list[float] = []
+        self._counts = [[0] * len(COUNTERS) for _ in self._children]
+        self._errors: ErrorCounts = {}
 
     def wrap(self, child_name: str, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        return metered(self.children[child_name], operation, call, self.per_layer) if self.enabled else call
+        """``call``, timed and counted; unwrapped when metrics are off, for operations
+        outside ``OPERATION_LABELS`` and, unless ``per_layer``, the per-layer ones."""
+        op = OPERATION_LABELS.get(operation) or (PER_LAYER_OPERATIONS.get(operation) if self.per_layer else None)
+        if not self.enabled or op is None:
+            return call
+        row = self._children.index(child_name)
+        cell = row * len(OPS) + OPS.index(op)
+        counts = self._counts[row]
+        count_result = _RESULT_COUNTERS.get(operation)
+        cells, latencies = self._cells, self._latencies
+
+        def observed(*args: Any, **kwargs: Any) -> Any:
+            start = perf_counter()
+            try:
+                result = call(*args, **kwargs)
+            except Exception as error:
+                latencies.append(perf_counter() - start)
+                cells.append(cell)
+                self._count_error(child_name, op, type(error).__name__)
+                raise
+            latencies.append(perf_counter() - start)
+            cells.append(cell)
+            if len(cells) >= MAX_PENDING_CALLS:
+                self._fold()
+            if count_result is not None:
+                count_result(counts, args, result)
+            return result
+
+        observed.__wrapped__ = call  # type: ignore[attr-defined]
+        return observed
 
     def count_load_errors(self, child_name: str, blocks: int) -> None:
         """Blocks of a load kvcompose gave back to vLLM after the child failed."""
         if self.enabled:
-            self.children[child_name].counters["load_error_blocks"] += blocks
+            self._counts[self._children.index(child_name)][_LOAD_ERRORS] += blocks
 
-    def take(self) -> dict[str, dict[str, Any]]:
-        """Per-child payloads since the last take; children with nothing to say are left out."""
-        return {name: payload for name, recorder in self.children.items() if (payload := recorder.take()) is not None}
+    def take(self) -> CallTable | None:
+        """The calls since the last take (None if there were none), then start afresh."""
+        if not self.enabled:
+            return None
+        self._fold()
+        table = self._table
+        table.counters = np.asarray(self._counts, np.int64)
+        table.errors, self._errors = self._errors, {}
+        if table.is_empty():
+            return None
+        self._table = CallTable.zeros(self._children, table.calls.shape[-1])
+        for counts in self._counts:
+            counts[:] = [0] * len(counts)
+        return table
+
+    def _count_error(self, child_name: str, op: str, error_type: str) -> None:
+        by_type = self._errors.setdefault(child_name, {}).setdefault(op, {})
+        by_type[error_type] = by_type.get(error_type, 0) + 1
+
+    def _fold(self) -> None:
+        """Sort the pending latencies into the table's buckets."""
+        if not self._cells:
+            return
+        calls, seconds = bucket_latencies(self._cells, self._latencies, self._bounds, self._table.calls.shape)
+        self._table.calls += calls
+        self._table.seconds += seconds
+        self._cells.clear()
+        self._latencies.clear()
+
+
+def bucket_latencies(
+    cells: Sequence[int], latencies: Sequence[float], bounds: np.ndarray, shape: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Calls and summed seconds per (cell, bucket), bucket ``i`` holding ``bounds[i-1] < v <= bounds[i]``
+    (Prometheus' ``le``) and the last one the rest."""
+    values = np.asarray(latencies, np.float64)
+    flat = np.asarray(cells, np.int64) * shape[-1] + np.searchsorted(bounds, values)
+    size = int(np.prod(shape))
+    calls = np.bincount(flat, minlength=size).reshape(shape)
+    return calls, np.bincount(flat, weights=values, minlength=size).reshape(shape)

@@ -1,10 +1,10 @@
 """KVComposeStats: the composite's mergeable stats, keyed by child name.
 
-The payload is plain data (it crosses processes as a dict)::
+``data`` holds kvcompose's own :class:`CallTable` of every child's calls, each
+child's native stats and its circuit breaker's report. It crosses processes
+as plain data (``to_dict``)::
 
-    {"children": {child: {"ops": {op: {"n": [per-bucket counts], "s": [per-bucket sums]}},
-                          "errors": {op: {error_type: count}},
-                          "counters": {counter: value}}},
+    {"calls": <CallTable.to_dict()> | None,
      "native": {child: {"class": "module:Class", "stats": <the child's own stats dict>}},
      "breakers": {child: {"state": 0 closed | 1 open | 2 half-open, "opens": count}}}
 
@@ -18,27 +18,12 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvcompose.metrics.histogram import merge_histogram_payloads
 from kvcompose.metrics.native import NativeStats
+from kvcompose.metrics.table import CallTable
 
-CHILDREN_KEY = "children"
+CALLS_KEY = "calls"
 NATIVE_KEY = "native"
 BREAKERS_KEY = "breakers"
-
-
-def _add_counts(mine: dict[str, int], theirs: dict[str, int]) -> dict[str, int]:
-    return {key: mine.get(key, 0) + theirs.get(key, 0) for key in mine.keys() | theirs.keys()}
-
-
-def merge_child_payloads(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
-    """Sum two payloads of one child; neither input is modified."""
-    ops = dict(mine["ops"])
-    for op, histogram in theirs["ops"].items():
-        ops[op] = merge_histogram_payloads(ops[op], histogram) if op in ops else histogram
-    errors = dict(mine["errors"])
-    for op, by_type in theirs["errors"].items():
-        errors[op] = _add_counts(errors.get(op, {}), by_type)
-    return {"ops": ops, "errors": errors, "counters": _add_counts(mine["counters"], theirs["counters"])}
 
 
 @dataclass
@@ -48,8 +33,12 @@ class KVComposeStats(KVConnectorStats):
     data: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def children(self) -> dict[str, dict[str, Any]]:
-        return self.data.setdefault(CHILDREN_KEY, {})
+    def calls(self) -> CallTable | None:
+        return self.data.get(CALLS_KEY)
+
+    @calls.setter
+    def calls(self, table: CallTable | None) -> None:
+        self.data[CALLS_KEY] = table
 
     @property
     def native(self) -> dict[str, NativeStats]:
@@ -66,12 +55,14 @@ class KVComposeStats(KVConnectorStats):
         for name, entry in payload.get(NATIVE_KEY, {}).items():
             if (stats := NativeStats.from_payload(entry)) is not None:
                 native[name] = stats
-        return cls(data={CHILDREN_KEY: dict(payload.get(CHILDREN_KEY, {})), NATIVE_KEY: native,
-                         BREAKERS_KEY: dict(payload.get(BREAKERS_KEY, {}))})
+        calls = payload.get(CALLS_KEY)
+        if isinstance(calls, dict):
+            calls = CallTable.from_dict(calls)
+        return cls(data={CALLS_KEY: calls, NATIVE_KEY: native, BREAKERS_KEY: dict(payload.get(BREAKERS_KEY, {}))})
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            CHILDREN_KEY: self.children,
+            CALLS_KEY: self.calls.to_dict() if self.calls is not None else None,
             NATIVE_KEY: {name: stats.to_dict() for name, stats in self.native.items()},
             BREAKERS_KEY: self.breakers,
         }
@@ -79,9 +70,10 @@ class KVComposeStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVComposeStats:
         if not isinstance(other, KVComposeStats):
             other = KVComposeStats.from_payload(other.data)
-        for name, payload in other.children.items():
-            mine = self.children.get(name)
-            self.children[name] = payload if mine is None else merge_child_payloads(mine, payload)
+        if other.calls is not None:
+            if self.calls is None:
+                self.calls = CallTable.zeros(other.calls.children, other.calls.calls.shape[-1])
+            self.calls.add(other.calls)
         for name, stats in other.native.items():
             mine_native = self.native.get(name)
             self.native[name] = stats if mine_native is None else mine_native.merged(stats)
@@ -95,23 +87,14 @@ class KVComposeStats(KVConnectorStats):
         return self
 
     def reset(self) -> None:
-        self.children.clear()
+        self.calls = None
         self.breakers.clear()
         for stats in self.native.values():
             stats.stats.reset()
 
     def reduce(self) -> dict[str, int | float]:
         """One line of numbers for vLLM's periodic log: calls and mean ms per child and op."""
-        reduced: dict[str, int | float] = {}
-        for name, payload in sorted(self.children.items()):
-            counters = payload["counters"]
-            reduced[f"{name}.lookup_hits"] = counters.get("lookup_hits", 0)
-            reduced[f"{name}.lookup_misses"] = counters.get("lookup_misses", 0)
-            reduced[f"{name}.loaded_tokens"] = counters.get("loaded_tokens", 0)
-            for op, histogram in sorted(payload["ops"].items()):
-                calls = sum(histogram["n"])
-                reduced[f"{name}.{op}.calls"] = calls
-                reduced[f"{name}.{op}.mean_ms"] = round(1000 * sum(histogram["s"]) / calls, 4) if calls else 0.0
+        reduced = self.calls.reduce() if self.calls is not None else {}
         for name, stats in self.native.items():
             for key, value in stats.stats.reduce().items():
                 reduced[f"{name}.{key}"] = value
@@ -119,5 +102,7 @@ class KVComposeStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return (
-            not self.children and not self.breakers and all(stats.stats.is_empty() for stats in self.native.values())
+            (self.calls is None or self.calls.is_empty())
+            and not self.breakers
+            and all(stats.stats.is_empty() for stats in self.native.values())
         )

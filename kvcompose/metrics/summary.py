@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcompose.metrics.histogram import quantile
+
+def quantile(bounds: Sequence[float], counts: Sequence[int], q: float) -> float | None:
+    """Prometheus-style ``histogram_quantile`` over per-bucket counts: linear within the bucket."""
+    total = sum(counts)
+    if total == 0:
+        return None
+    rank = q * total
+    seen = 0
+    for index, count in enumerate(counts):
+        if seen + count >= rank and count:
+            if index == len(bounds):  # +Inf bucket: the highest finite bound
+                return bounds[-1]
+            lower = bounds[index - 1] if index else 0.0
+            return lower + (bounds[index] - lower) * (rank - seen) / count
+        seen += count
+    return bounds[-1]
 
 
 @dataclass
