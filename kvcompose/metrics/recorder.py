@@ -42,6 +42,7 @@ PER_LAYER_OPERATIONS: dict[str, str] = {
 # memory of a process whose stats nobody takes (vLLM takes them every step).
 MAX_PENDING_CALLS = 1 << 16
 
+_NO_COUNTS = [0] * len(COUNTERS)
 _HITS, _MISSES, _MATCHED, _LOADED, _LOAD_ERRORS = (COUNTERS.index(name) for name in (
     "lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens", "load_error_blocks"))
 
@@ -82,7 +83,8 @@ class PipelineRecorder:
         self.per_layer = per_layer
         self._children = tuple(child_names)
         self._bounds = np.asarray(bounds, np.float64)
-        self._table = CallTable.zeros(self._children, len(bounds) + 1)
+        self._shape = (len(self._children), len(OPS), len(bounds) + 1)  # a CallTable's calls and seconds
+        self._bucketed: tuple[np.ndarray, np.ndarray] | None = None  # (calls, seconds) folded since the last take
         # Filled on the hot path, in place (wrappers hold references to them).
         self._cells: list[int] = []  # (child, op) of each call, as child * len(OPS) + op
         self._latencies: list[float] = []
@@ -128,17 +130,14 @@ class PipelineRecorder:
 
     def take(self) -> CallTable | None:
         """The calls since the last take (None if there were none), then start afresh."""
-        if not self.enabled:
+        if not (self._cells or self._bucketed or self._errors or any(map(any, self._counts))):
             return None
         self._fold()
-        table = self._table
-        table.counters = np.asarray(self._counts, np.int64)
-        table.errors, self._errors = self._errors, {}
-        if table.is_empty():
-            return None
-        self._table = CallTable.zeros(self._children, table.calls.shape[-1])
+        calls, seconds = self._bucketed or (np.zeros(self._shape, np.int64), np.zeros(self._shape, np.float64))
+        table = CallTable(self._children, calls, seconds, np.asarray(self._counts, np.int64), self._errors)
+        self._bucketed, self._errors = None, {}
         for counts in self._counts:
-            counts[:] = [0] * len(counts)
+            counts[:] = _NO_COUNTS
         return table
 
     def _count_error(self, child_name: str, op: str, error_type: str) -> None:
@@ -146,23 +145,27 @@ class PipelineRecorder:
         by_type[error_type] = by_type.get(error_type, 0) + 1
 
     def _fold(self) -> None:
-        """Sort the pending latencies into the table's buckets."""
+        """Sort the pending latencies into buckets, for the next take."""
         if not self._cells:
             return
-        calls, seconds = bucket_latencies(self._cells, self._latencies, self._bounds, self._table.calls.shape)
-        self._table.calls += calls
-        self._table.seconds += seconds
+        calls, seconds = bucket_latencies(self._cells, self._latencies, self._bounds, self._shape)
         self._cells.clear()
         self._latencies.clear()
+        if self._bucketed is None:
+            self._bucketed = calls, seconds
+        else:
+            folded_calls, folded_seconds = self._bucketed
+            folded_calls += calls
+            folded_seconds += seconds
 
 
 def bucket_latencies(
-    cells: Sequence[int], latencies: Sequence[float], bounds: np.ndarray, shape: tuple[int, ...]
+    cells: Sequence[int], latencies: Sequence[float], bounds: np.ndarray, shape: tuple[int, int, int]
 ) -> tuple[np.ndarray, np.ndarray]:
     """Calls and summed seconds per (cell, bucket), bucket ``i`` holding ``bounds[i-1] < v <= bounds[i]``
     (Prometheus' ``le``) and the last one the rest."""
     values = np.asarray(latencies, np.float64)
     flat = np.asarray(cells, np.int64) * shape[-1] + np.searchsorted(bounds, values)
-    size = int(np.prod(shape))
+    size = shape[0] * shape[1] * shape[2]
     calls = np.bincount(flat, minlength=size).reshape(shape)
     return calls, np.bincount(flat, weights=values, minlength=size).reshape(shape)
