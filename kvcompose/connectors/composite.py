@@ -335,10 +335,9 @@ class KVComposeConnector(KVConnectorBase_V1):
             child.bind_gpu_block_pool(gpu_block_pool)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        self._pairing.check(request.kv_transfer_params)
-        choice = self._choose_loader(
-            self._loaders, lambda child: child.get_num_new_matched_tokens(request, num_computed_tokens)
-        )
+        if request.kv_transfer_params:  # a remote prefill's: check the pair's pipelines match
+            self._pairing.check(request.kv_transfer_params)
+        choice = self._choose_loader(self._loaders, request, num_computed_tokens)
         if choice.num_tokens is None:
             return None, False
         self._scheduler_ledger.choose(request.request_id, choice.child_index, num_computed_tokens, choice.load_async)

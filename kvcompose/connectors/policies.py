@@ -1,7 +1,7 @@
 """Load policies: which child loads a request, given every loader's lookup.
 
-A policy asks the loaders in pipeline order through ``lookup(child)`` and
-returns the :class:`LoadChoice`. A lookup that answers ``None`` tokens means
+A policy asks the loaders in pipeline order (``get_num_new_matched_tokens``)
+and returns the :class:`LoadChoice`. A lookup that answers ``None`` tokens means
 "still looking": the policy stops asking and the whole answer is ``None``, as
 vLLM's MultiConnector does.
 """
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvcompose.connectors.children import Child
 
-Lookup = Callable[[Child], tuple[int | None, bool]]
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,12 +29,12 @@ STILL_LOOKING = LoadChoice(None)
 NOTHING_TO_LOAD = LoadChoice(0)
 
 
-def first_match(loaders: Sequence[Child], lookup: Lookup) -> LoadChoice:
+def first_match(loaders: Sequence[Child], request: Request, num_computed_tokens: int) -> LoadChoice:
     """The first child with tokens loads. Every loader is still asked (as
     MultiConnector does), so each sees the request's lookup."""
     choice = NOTHING_TO_LOAD
     for child in loaders:
-        num_tokens, load_async = lookup(child)
+        num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
         if num_tokens is None:
             return STILL_LOOKING
         if choice.child_index is None and num_tokens > 0:
@@ -41,7 +42,7 @@ def first_match(loaders: Sequence[Child], lookup: Lookup) -> LoadChoice:
     return choice
 
 
-def longest_match(loaders: Sequence[Child], lookup: Lookup) -> LoadChoice:
+def longest_match(loaders: Sequence[Child], request: Request, num_computed_tokens: int) -> LoadChoice:
     """The child with the most tokens loads; ties go to the earlier child.
 
     Pays off when a later tier (a big disk or remote store) holds more of a
@@ -50,7 +51,7 @@ def longest_match(loaders: Sequence[Child], lookup: Lookup) -> LoadChoice:
     """
     choice = NOTHING_TO_LOAD
     for child in loaders:
-        num_tokens, load_async = lookup(child)
+        num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
         if num_tokens is None:
             return STILL_LOOKING
         if num_tokens > (choice.num_tokens or 0):
@@ -58,7 +59,7 @@ def longest_match(loaders: Sequence[Child], lookup: Lookup) -> LoadChoice:
     return choice
 
 
-LoadPolicy = Callable[[Sequence[Child], Lookup], LoadChoice]
+LoadPolicy = Callable[[Sequence[Child], "Request", int], LoadChoice]
 POLICIES: dict[Literal["first_match", "longest_match"], LoadPolicy] = {
     "first_match": first_match,
     "longest_match": longest_match,
