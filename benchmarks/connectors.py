@@ -82,7 +82,12 @@ def kvcompose_vllm_config(pipeline: dict) -> VllmConfig:
                          "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
 
 
-def kvcompose_connector(pipeline: dict, side: str) -> KVComposeConnector:
+def kvcompose_connector(pipeline: dict, side: str, workers: int = 1) -> KVComposeConnector:
+    """``workers``: the engine's world size, as the connector sees it (none are started)."""
     from kvcompose.connectors import KVComposeConnector
 
-    return KVComposeConnector(kvcompose_vllm_config(pipeline), _role(side), None)
+    config = kvcompose_vllm_config(pipeline)
+    if workers != config.parallel_config.world_size:
+        config.parallel_config = copy.copy(config.parallel_config)
+        config.parallel_config.world_size = workers
+    return KVComposeConnector(config, _role(side), None)

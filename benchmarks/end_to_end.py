@@ -19,7 +19,17 @@ together and are then measured in rounds: each round asks every engine, one at
 a time and in a rotating order, for one measurement (a few prompts for time to
 first token, then one batch), so all configurations are measured within seconds
 of each other. Each ratio is taken within a round; the reported ratio is the
-median over rounds.
+median over rounds, with the spread of the middle half of the rounds.
+
+Throughput ratios of a few percent drown in that spread, so each round also
+measures what the connector itself costs per output token (time in its calls
+plus its span exporter's CPU; the front-end's Prometheus update is reported
+apart, see ``benchmarks/stopwatch.py``), which varies far less. "From cost"
+is the subject's tokens/s if it differed from the baseline only by that cost:
+with the baseline's time per token ``t``, ``t / (t - baseline cost + subject
+cost)``. The Prometheus update is left out of it: here it runs on the engine's
+thread (engine core in-process), but under ``vllm serve`` it runs in the API
+server's process, off the engine's path.
 
 Why not one engine after another: on this shared 2-core machine, ratios of
 runs minutes apart swung by 20-30% (kvc_off / multi read 1.26, 1.06 and 0.998
@@ -55,6 +65,8 @@ RATIOS = (
     ("multi / none", "multi", "none"),
 )
 ROUND_FIGURES = ("tokens_per_s", "tokens_per_cpu_s", "ttft_ms")
+CONNECTOR_COST = ("connector_us_per_token", "exporter_us_per_token")  # per round, summed
+STOPWATCH_MODULE = "benchmarks.stopwatch"  # the same connectors, on the benchmark's stopwatch
 STOP_TIMEOUT_S = 120  # an unreachable tracing endpoint holds the engine's shutdown for its final flush
 STORES_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else None
 ENGINE_ENV = {
@@ -77,13 +89,15 @@ def kv_transfer_config(name: str, stores: Path, endpoints: dict[str, str]) -> di
     if name == "multi":
         children = [{"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                      "kv_connector_extra_config": {"shared_storage_path": str(path)}} for path in tiers.values()]
-        return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {"connectors": children}}
-    pipeline = {**example_tiers("bench", tiers), "logging": {"level": "WARNING"}}
-    if name in endpoints:
-        pipeline["tracing"] = {"enabled": True, "granularity": GRANULARITY[name], "exporter": "otlp",
-                               "endpoint": endpoints[name]}
-    return render(load_pipeline(pipeline), pipeline)
+        config = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"connectors": children}}
+    else:
+        pipeline = {**example_tiers("bench", tiers), "logging": {"level": "WARNING"}}
+        if name in endpoints:
+            pipeline["tracing"] = {"enabled": True, "granularity": GRANULARITY[name], "exporter": "otlp",
+                                   "endpoint": endpoints[name]}
+        config = render(load_pipeline(pipeline), pipeline)
+    return {**config, "kv_connector_module_path": STOPWATCH_MODULE}
 
 
 class EngineProcess:
@@ -157,28 +171,52 @@ def summarize(rounds: list[dict[str, dict[str, float]]], stopped: dict[str, dict
     medians = {name: {**{key: statistics.median(measured[name][key] for measured in rounds) for key in rounds[0][name]},
                       **stopped[name]}
                for name in names}
-    ratios = {
-        label: {key: statistics.median(measured[subject][key] / measured[baseline][key] for measured in rounds)
-                for key in ROUND_FIGURES}
-        for label, subject, baseline in RATIOS if subject in names and baseline in names
-    }
+    ratios = {}
+    for label, subject, baseline in RATIOS:
+        if subject in names and baseline in names:
+            per_round = {key: [measured[subject][key] / measured[baseline][key] for measured in rounds]
+                         for key in ROUND_FIGURES}
+            per_round["from_cost"] = [_from_cost(measured[subject], measured[baseline]) for measured in rounds]
+            ratios[label] = {key: statistics.median(values) for key, values in per_round.items()}
+            ratios[label]["tokens_per_s_middle_half"] = _middle_half(per_round["tokens_per_s"])
     return {"rounds": len(rounds), "medians": medians, "ratios": ratios, "per_round": rounds}
 
 
+def _cost(figures: dict[str, float]) -> float:
+    return sum(figures[key] for key in CONNECTOR_COST)
+
+
+def _from_cost(subject: dict[str, float], baseline: dict[str, float]) -> float:
+    """The subject's tokens/s over the baseline's if the two engines differed only by their connectors' cost."""
+    us_per_token = 1e6 / baseline["tokens_per_s"]
+    return us_per_token / (us_per_token - _cost(baseline) + _cost(subject))
+
+
+def _middle_half(values: list[float]) -> tuple[float, float]:
+    """The first and third quartiles."""
+    quartiles = statistics.quantiles(values, n=4)
+    return quartiles[0], quartiles[2]
+
+
 def table(result: dict[str, Any]) -> str:
-    lines = ["| configuration | output tokens/s | tokens per CPU-s | TTFT ms | RSS growth MiB | peak RSS MiB "
-             "| shutdown s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| configuration | output tokens/s | tokens per CPU-s | TTFT ms | connector us/token "
+             "| exporter us/token | Prometheus update us/token | RSS growth MiB | peak RSS MiB | shutdown s |",
+             "|" + " --- |" * 10]
     for name, figures in result["medians"].items():
         lines.append(f"| {name} | {figures['tokens_per_s']:.0f} | {figures['tokens_per_cpu_s']:.0f} | "
-                     f"{figures['ttft_ms']:.1f} | {figures['rss_growth_mib']:.1f} | {figures['peak_rss_mib']:.0f} | "
-                     f"{figures['shutdown_s']:.1f} |")
+                     f"{figures['ttft_ms']:.1f} | {figures['connector_us_per_token']:.1f} | "
+                     f"{figures['exporter_us_per_token']:.1f} | {figures['front_end_us_per_token']:.1f} | "
+                     f"{figures['rss_growth_mib']:.1f} | "
+                     f"{figures['peak_rss_mib']:.0f} | {figures['shutdown_s']:.1f} |")
     exported = result["exported"]
     lines += ["", f"Spans exported to the collector stand-in: {exported['requests']} requests, "
               f"{exported['bytes'] / 1024:.0f} KiB.", ""]
-    lines += ["| ratio (median of rounds) | tokens/s | tokens per CPU-s | TTFT |", "| --- | --- | --- | --- |"]
+    lines += ["| ratio (median of rounds) | tokens/s | tokens/s, middle half of rounds | tokens/s from cost "
+              "| tokens per CPU-s | TTFT |", "|" + " --- |" * 6]
     for label, ratio in result["ratios"].items():
-        lines.append(f"| {label} | {ratio['tokens_per_s']:.3f} | {ratio['tokens_per_cpu_s']:.3f} | "
-                     f"{ratio['ttft_ms']:.3f} |")
+        low, high = ratio["tokens_per_s_middle_half"]
+        lines.append(f"| {label} | {ratio['tokens_per_s']:.3f} | {low:.3f} .. {high:.3f} | {ratio['from_cost']:.3f} | "
+                     f"{ratio['tokens_per_cpu_s']:.3f} | {ratio['ttft_ms']:.3f} |")
     return "\n".join(lines)
 
 

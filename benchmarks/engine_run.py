@@ -15,7 +15,11 @@ A round (tiny model, greedy, ``ignore_eos``):
 - one batch of ``BATCH`` prompts generating ``OUTPUT_TOKENS`` each: half repeat
   earlier prompts (a connector loads them), half are new (saved). Output
   tokens per second of wall time and per second of this process's CPU time
-  (all its threads: the span exporter's too).
+  (all its threads: the span exporter's too);
+- what the connector cost per output token of the batch: time inside its
+  calls, time in the front-end's Prometheus update for it
+  (``benchmarks/stopwatch.py``), and the CPU time of the span exporter's
+  thread since the previous round, per token generated since then.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from benchmarks.stopwatch import ENGINE, FRONT_END, exporter_cpu_s
 
 PROMPT_WORDS = 96
 TTFT_PROMPTS = 2
@@ -56,6 +62,7 @@ class MeasuredEngine:
         self._seen: list[str] = []
         self._generate([self._new() for _ in range(BATCH)], 16)  # warm-up
         self.baseline_rss_mib = _memory_mib()["VmRSS"]
+        self._exporter_cpu_s = exporter_cpu_s()
 
     def _new(self) -> str:
         prompt = next(self._new_prompts)
@@ -72,12 +79,18 @@ class MeasuredEngine:
         ttft_s = [self._generate([self._new()], 1)[0].metrics.first_token_latency for _ in range(TTFT_PROMPTS)]
         repeated = self._seen[-(BATCH // 2):]
         prompts = repeated + [self._new() for _ in range(BATCH - len(repeated))]
+        ENGINE.seconds = FRONT_END.seconds = 0.0
         began, began_cpu = time.perf_counter(), time.process_time()
         outputs = self._generate(prompts, OUTPUT_TOKENS)
         elapsed, elapsed_cpu = time.perf_counter() - began, time.process_time() - began_cpu
         tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
+        exporter_now = exporter_cpu_s()
+        exporter_s, self._exporter_cpu_s = exporter_now - self._exporter_cpu_s, exporter_now
         return {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / elapsed_cpu,
-                "ttft_ms": 1000 * statistics.median(ttft_s)}
+                "ttft_ms": 1000 * statistics.median(ttft_s),
+                "connector_us_per_token": 1e6 * ENGINE.seconds / tokens,
+                "front_end_us_per_token": 1e6 * FRONT_END.seconds / tokens,
+                "exporter_us_per_token": 1e6 * exporter_s / (tokens + TTFT_PROMPTS)}
 
     def stop(self) -> dict[str, float]:
         """Memory over the measured rounds, then shut the engine down (its connector flushes spans)."""

@@ -2,7 +2,8 @@
 
 Each worker's payload comes from a real 16-child KVComposeConnector (no-op
 children, ``metrics.per_layer`` on: the largest payload) after one step, as
-vLLM reads it after every step. vLLM's KVOutputAggregator folds the workers'
+vLLM reads it after every step; the connector is told the engine has 64
+workers, so it ships its table as a worker of such an engine does (dense). vLLM's KVOutputAggregator folds the workers'
 stats into one with ``aggregate``; the merged stats reach the front-end as a
 plain dict encoded with vLLM's msgpack encoder, whose size is measured here,
 and the front-end hands each engine step's dict to ``observe`` of kvcompose's
@@ -48,12 +49,10 @@ def wire_bytes(stats: Any) -> int:
 def bound_bytes(children: list[str], buckets: int) -> int:
     """Size of the largest payload a pipeline of ``children`` can send: every cell used, every number long."""
     from kvcompose.metrics.stats import KVComposeStats
-    from kvcompose.metrics.table import CallTable
+    from kvcompose.metrics.table import COUNTERS, OPS, CallTable
 
-    table = CallTable.zeros(children, buckets)
-    table.calls[:] = 2**62
-    table.seconds[:] = 1 / 3
-    table.counters[:] = 2**62
+    cells = {cell: [2**62, 1 / 3] for cell in range(len(children) * len(OPS) * buckets)}
+    table = CallTable(children, buckets, cells, [2**62] * (len(children) * len(COUNTERS)))
     return wire_bytes(KVComposeStats(data={"calls": table}))
 
 
@@ -73,15 +72,17 @@ def prometheus_metrics(bench_pipeline: dict[str, Any]) -> Any:
 def measure(workers: int = WORKERS, children: int = CHILDREN, heavy_steps: int = 1000, rounds: int = 5,
             calls: int | None = None) -> dict[str, Any]:
     bench_pipeline = pipeline(children, per_layer=True)
-    worker = kvcompose_connector(bench_pipeline, "worker")
+    worker = kvcompose_connector(bench_pipeline, "worker", workers=workers)
     payloads = [_stats_after(worker, 1) for _ in range(workers)]
-    ns = per_call_ns("merge(payloads)", {"merge": {"merge": merge, "payloads": payloads}}, rounds=rounds,
+    # Timed with to_dict: vLLM turns the merged stats into a dict right after, and that is where a merge
+    # of dense arrays goes back to sparse cells.
+    ns = per_call_ns("merge(payloads).to_dict()", {"merge": {"merge": merge, "payloads": payloads}}, rounds=rounds,
                      calls=calls)["merge"]
     observe_ns = per_call_ns("metrics.observe(step)", {"observe": {
         "metrics": prometheus_metrics(bench_pipeline), "step": payloads[0].to_dict()}}, rounds=rounds,
         calls=calls)["observe"]
     one_step, many_steps = wire_bytes(payloads[0]), wire_bytes(_stats_after(worker, heavy_steps))
-    bound = bound_bytes(list(payloads[0].calls.children), payloads[0].calls.calls.shape[-1])
+    bound = bound_bytes(list(payloads[0].calls.children), payloads[0].calls.buckets)
     return {
         "workers": workers,
         "children": children,
@@ -100,7 +101,7 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join([
         "| measure | value |",
         "| --- | --- |",
-        f"| merge {result['workers']} worker payloads of {result['children']} children | "
+        f"| merge {result['workers']} worker payloads of {result['children']} children (and to_dict) | "
         f"{result['merge_ms']:.3f} ms |",
         f"| Prometheus observe of one worker's step ({result['children']} children) | "
         f"{result['observe_step_us']:.0f} us |",

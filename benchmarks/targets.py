@@ -49,11 +49,11 @@ def end_to_end_checks(result: dict[str, Any]) -> list[Check]:
     ratios, medians = result["ratios"], result["medians"]
     checks = []
     if (step := ratios.get("kvc_step / multi")) is not None:
-        checks.append(Check(f"tokens/s, tracing at step granularity >= {STEP_TRACING_MIN_VS_MULTI}x MultiConnector",
-                            _throughput(step), step["tokens_per_s"] >= STEP_TRACING_MIN_VS_MULTI))
+        target = f"tokens/s, tracing at step granularity >= {STEP_TRACING_MIN_VS_MULTI}x MultiConnector"
+        checks += _throughput_checks(target, step, STEP_TRACING_MIN_VS_MULTI)
     if (unreachable := ratios.get("kvc_unreachable / kvc_off")) is not None:
-        checks.append(Check(f"tokens/s, tracing endpoint unreachable >= {UNREACHABLE_MIN_VS_OFF}x tracing off",
-                            _throughput(unreachable), unreachable["tokens_per_s"] >= UNREACHABLE_MIN_VS_OFF))
+        target = f"tokens/s, tracing endpoint unreachable >= {UNREACHABLE_MIN_VS_OFF}x tracing off"
+        checks += _throughput_checks(target, unreachable, UNREACHABLE_MIN_VS_OFF)
         extra = medians["kvc_unreachable"]["rss_growth_mib"] - medians["kvc_off"]["rss_growth_mib"]
         checks.append(Check(f"memory, tracing endpoint unreachable: RSS growth <= tracing off's + "
                             f"{UNREACHABLE_MAX_EXTRA_RSS_MIB:.0f} MiB", f"{extra:+.1f} MiB",
@@ -61,8 +61,14 @@ def end_to_end_checks(result: dict[str, Any]) -> list[Check]:
     return checks
 
 
-def _throughput(ratio: dict[str, float]) -> str:
-    return f"{ratio['tokens_per_s']:.3f}x (per CPU-second: {ratio['tokens_per_cpu_s']:.3f}x)"
+def _throughput_checks(target: str, ratio: dict[str, Any], minimum: float) -> list[Check]:
+    """The ratio as measured, and as the connectors' measured cost implies (steadier; see end_to_end)."""
+    low, high = ratio["tokens_per_s_middle_half"]
+    return [
+        Check(f"{target}: measured", f"{ratio['tokens_per_s']:.3f}x (middle half of rounds {low:.2f}..{high:.2f}; "
+              f"per CPU-second {ratio['tokens_per_cpu_s']:.3f}x)", ratio["tokens_per_s"] >= minimum),
+        Check(f"{target}: from the connectors' cost", f"{ratio['from_cost']:.3f}x", ratio["from_cost"] >= minimum),
+    ]
 
 
 def as_records(checks: list[Check]) -> list[dict[str, Any]]:

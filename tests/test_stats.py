@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from unittest import mock
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,22 +15,22 @@ from kvcompose.metrics import recorder as recorder_module
 from kvcompose.metrics.recorder import PipelineRecorder, bucket_latencies
 from kvcompose.metrics.stats import KVComposeStats
 from kvcompose.metrics.summary import quantile
+from kvcompose.metrics import table as table_module
 from kvcompose.metrics.table import COUNTERS, OPS, CallTable
 
 BOUNDS = (0.001, 0.01, 0.1)
+
 CHILDREN = ("hot", "cold", "remote")
-CELLS = len(CHILDREN) * len(OPS) * (len(BOUNDS) + 1)
 
 
 def _table_dicts() -> st.SearchStrategy[dict[str, Any]]:
-    shape = (len(CHILDREN), len(OPS), len(BOUNDS) + 1)
+    cells = len(CHILDREN) * len(OPS) * (len(BOUNDS) + 1)
     # Integer-valued sums keep float addition exact, so equality is exact.
     return st.builds(
-        lambda calls, seconds, counters, errors: CallTable(
-            CHILDREN, np.array(calls).reshape(shape), np.array(seconds, float).reshape(shape),
-            np.array(counters).reshape(len(CHILDREN), len(COUNTERS)), errors).to_dict(),
-        st.lists(st.integers(0, 50), min_size=CELLS, max_size=CELLS),
-        st.lists(st.integers(0, 1000), min_size=CELLS, max_size=CELLS),
+        lambda used, counters, errors: CallTable(
+            CHILDREN, len(BOUNDS) + 1, {cell: [count, float(seconds)] for cell, (count, seconds) in used.items()},
+            counters, errors).to_dict(),
+        st.dictionaries(st.integers(0, cells - 1), st.tuples(st.integers(1, 50), st.integers(0, 1000)), max_size=40),
         st.lists(st.integers(0, 100), min_size=len(CHILDREN) * len(COUNTERS), max_size=len(CHILDREN) * len(COUNTERS)),
         st.dictionaries(st.sampled_from(CHILDREN), st.dictionaries(
             st.sampled_from(OPS), st.dictionaries(st.sampled_from(["OSError", "KeyError"]), st.integers(1, 5),
@@ -45,11 +45,24 @@ payloads = st.fixed_dictionaries({
 })
 
 
-def merged(*parts: dict[str, Any]) -> dict[str, Any]:
-    stats = KVComposeStats.from_payload(parts[0])
-    for part in parts[1:]:
-        stats = stats.aggregate(KVComposeStats.from_payload(part))
-    return json.loads(json.dumps(stats.to_dict(), sort_keys=True))
+def merged(*parts: dict[str, Any], dense: bool = False) -> dict[str, Any]:
+    """The parts folded as vLLM's aggregator does; ``dense``: every other part shipped dense, as a large engine's."""
+    tables = [KVComposeStats.from_payload(part) for part in parts]
+    for index, table in enumerate(tables):
+        if dense and index % 2 and table.calls is not None:
+            table.calls.densify()
+    stats = tables[0]
+    for table in tables[1:]:
+        stats = stats.aggregate(table)
+    return canonical(stats.to_dict())
+
+
+def canonical(payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload with its cells in index order, as JSON sees it."""
+    if (calls := payload["calls"]) is not None:
+        rows = sorted(zip(calls["cells"], calls["calls"], calls["seconds"], strict=True))
+        calls["cells"], calls["calls"], calls["seconds"] = ([row[i] for row in rows] for i in range(3))
+    return json.loads(json.dumps(payload, sort_keys=True))
 
 
 @settings(max_examples=200, deadline=None)
@@ -57,6 +70,15 @@ def merged(*parts: dict[str, Any]) -> dict[str, Any]:
 def test_aggregate_is_associative_and_commutative(a: dict[str, Any], b: dict[str, Any], c: dict[str, Any]) -> None:
     assert merged(a, b) == merged(b, a)
     assert merged(merged(a, b), c) == merged(a, merged(b, c))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(payloads, min_size=2, max_size=12))
+def test_merging_through_dense_arrays_adds_up_the_same(parts: list[dict[str, Any]]) -> None:
+    sparse = merged(*parts)
+    assert merged(*parts, dense=True) == sparse
+    with mock.patch.object(table_module, "SPARSE_MERGE_LIMIT", 0):  # every merge adds dense arrays
+        assert merged(*parts) == sparse
 
 
 @settings(max_examples=100, deadline=None)
@@ -70,25 +92,27 @@ def test_aggregate_does_not_modify_its_inputs(a: dict[str, Any], b: dict[str, An
 
 
 def test_tables_of_different_pipelines_do_not_merge() -> None:
-    table = CallTable.zeros(("hot", "cold"), len(BOUNDS) + 1)
+    table = CallTable(("hot", "cold"), len(BOUNDS) + 1)
     with pytest.raises(ValueError, match="different pipelines"):
-        table.add(CallTable.zeros(("hot", "disk"), len(BOUNDS) + 1))
+        table.add(CallTable(("hot", "disk"), len(BOUNDS) + 1))
     with pytest.raises(ValueError, match="different pipelines"):
-        table.add(CallTable.zeros(("hot", "cold"), len(BOUNDS) + 2))
+        table.add(CallTable(("hot", "cold"), len(BOUNDS) + 2))
 
 
 def test_stats_of_another_kvcompose_version_are_refused_with_a_reason() -> None:
-    payload = CallTable.zeros(("hot",), 4).to_dict()
+    payload = CallTable(("hot",), 4).to_dict()
     payload["ops"] = payload["ops"][:-1]
     with pytest.raises(ValueError, match="one kvcompose version"):
         CallTable.from_dict(payload)
 
 
 def test_buckets_follow_prometheus_le() -> None:
-    shape = (1, 1, len(BOUNDS) + 1)
-    calls, seconds = bucket_latencies([0] * 5, [0.0005, 0.001, 0.002, 0.1, 5.0], np.asarray(BOUNDS), shape)
-    assert calls.tolist() == [[[2, 1, 1, 1]]]
-    assert seconds[0, 0] == pytest.approx([0.0015, 0.002, 0.1, 5.0])
+    cells: dict[int, list[Any]] = {}
+    bucket_latencies([0] * 5, [0.0005, 0.001, 0.002, 0.1, 5.0], BOUNDS, into=cells)
+    assert {cell: count for cell, (count, _) in cells.items()} == {0: 2, 1: 1, 2: 1, 3: 1}
+    assert [cells[cell][1] for cell in range(4)] == pytest.approx([0.0015, 0.002, 0.1, 5.0])
+    bucket_latencies([1], [0.05], BOUNDS, into=cells)  # the next slot's cells follow
+    assert cells[len(BOUNDS) + 1 + 2] == [1, 0.05]
 
 
 def test_quantile_interpolates_like_histogram_quantile() -> None:
@@ -127,7 +151,7 @@ def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
     assert table.errors == {"cold": {"save_kv_layer": {"Failing": 1}}}
     assert table.call_count("hot", "lookup") == 2 and table.call_count("cold", "save_kv_layer") == 1
     assert table.call_count("cold", "lookup") == 0
-    assert int(table.calls.sum()) == 5  # every timed call, the failed one too
+    assert sum(count for count, _ in table.cells.values()) == 5  # every timed call, the failed one too
     assert recorder.take() is None
 
 
@@ -137,7 +161,7 @@ def test_pending_latencies_are_folded_before_they_pile_up(monkeypatch: pytest.Mo
     wait = recorder.wrap("hot", "wait_for_save", lambda: None)
     for _ in range(20):
         wait()
-    assert len(recorder._cells) < 8  # folded twice on the way
+    assert len(recorder._slots) < 8  # folded twice on the way
     assert recorder.take().call_count("hot", "wait_for_save") == 20
 
 
@@ -149,8 +173,8 @@ def test_payload_size_is_bounded_whatever_the_traffic() -> None:
             save[CHILDREN[i % 3]](f"layer.{i}", None, None)
         return KVComposeStats(data={"calls": recorder.take()}).to_dict()
 
-    every_cell_used = CallTable.zeros(CHILDREN, len(DEFAULT_LATENCY_BUCKETS) + 1)
-    every_cell_used.calls[:] = 1
+    buckets = len(DEFAULT_LATENCY_BUCKETS) + 1
+    every_cell_used = CallTable(CHILDREN, buckets, {cell: [1, 0.5] for cell in range(len(CHILDREN) * len(OPS) * buckets)})
     bound = _leaves(KVComposeStats(data={"calls": every_cell_used}).to_dict())
     for calls in (300, 30_000):
         payload = payload_after(calls)
@@ -171,6 +195,22 @@ def test_per_layer_operations_are_timed_only_on_request() -> None:
     assert PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"]).wrap("hot", "save_kv_layer", call) is call
     assert PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"], per_layer=True).wrap(
         "hot", "save_kv_layer", call) is not call
+
+
+def test_a_large_engines_workers_ship_their_tables_dense() -> None:
+    from benchmarks.connectors import kvcompose_connector, pipeline
+    from kvcompose.metrics.recorder import DENSE_FROM_WORKERS
+    from kvcompose.testing.steps import forward_step
+
+    def worker_stats(workers: int) -> KVComposeStats:
+        worker = kvcompose_connector(pipeline(2), "worker", workers=workers)
+        forward_step(worker, 2)
+        return worker.get_kv_connector_stats()
+
+    small, large = worker_stats(1), worker_stats(DENSE_FROM_WORKERS)
+    assert small.calls._dense is None and large.calls._dense is not None
+    assert large.calls.call_count("c0", "start_load_kv") == small.calls.call_count("c0", "start_load_kv") == 1
+    assert large.aggregate(small).calls.call_count("c1", "wait_for_save") == 2
 
 
 def test_metrics_off_wraps_nothing() -> None:

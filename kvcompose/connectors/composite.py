@@ -55,8 +55,8 @@ from kvcompose.connectors.policies import POLICIES
 from kvcompose.logs import configure_logging, get_logger
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.prometheus import KVComposePromMetrics
-from kvcompose.metrics.recorder import PipelineRecorder
-from kvcompose.metrics.stats import KVComposeStats
+from kvcompose.metrics.recorder import DENSE_FROM_WORKERS, PipelineRecorder
+from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY, KVComposeStats
 from kvcompose.tracing import pipeline_tracer
 
 logger = get_logger("connector")
@@ -86,6 +86,8 @@ class KVComposeConnector(KVConnectorBase_V1):
             self.pipeline.metrics.latency_buckets,
             [child.name for child in self.pipeline.children],
             per_layer=self.pipeline.metrics.per_layer,
+            ship_dense=role is KVConnectorRole.WORKER
+            and vllm_config.parallel_config.world_size >= DENSE_FROM_WORKERS,
         )
         self._tracing = pipeline_tracer(self.pipeline, role.name.lower())
         self._guards = [ChildGuard(child, self._breaker_changed) for child in self.pipeline.children]
@@ -312,15 +314,14 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """kvcompose's per-child call stats plus each child's own stats, since the last call."""
-        stats = KVComposeStats()
-        stats.calls = self._recorder.take()
-        for child, guard in zip(self.children, self._guards, strict=True):
-            if (report := guard.take_report()) is not None:
-                stats.breakers[child.name] = report
-        for child in self.children:
-            if (child_stats := child.get_kv_connector_stats()) is not None:
-                stats.native[child.name] = NativeStats(child.class_path, child_stats)
-        return None if stats.is_empty() else stats
+        calls = self._recorder.take()  # None, or a table of at least one call
+        breakers = {child.name: report for child, guard in zip(self.children, self._guards, strict=True)
+                    if (report := guard.take_report()) is not None}
+        native = {child.name: NativeStats(child.class_path, child_stats) for child in self.children
+                  if (child_stats := child.get_kv_connector_stats()) is not None and not child_stats.is_empty()}
+        if calls is None and not breakers and not native:
+            return None
+        return KVComposeStats(data={CALLS_KEY: calls, BREAKERS_KEY: breakers, NATIVE_KEY: native})
 
     # ==============================
     # Scheduler-side methods

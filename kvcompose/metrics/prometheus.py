@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
@@ -118,7 +117,8 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
             for spec in specs:
                 info.labels(*engine_labels, pipeline.name, spec.name, spec.class_name, str(spec.index)).set(1)
                 self.child_state.labels(*engine_labels, spec.name).set(0)
-        self._duration_series: dict[tuple[int, str, str], Any] = {}  # labels() costs more than an observation
+        # (engine, children, slot) -> histogram series: labels() costs more than an observation.
+        self._duration_series: dict[tuple[int, tuple[str, ...], int], Any] = {}
         self._native = _NativeChildMetrics(metric_types, labelnames, per_engine_labelvalues, specs)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -134,22 +134,22 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
 
     def _observe_calls(self, table: CallTable, engine_idx: int) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
-        cells = np.nonzero(table.calls)
-        rows, columns = cells[0].tolist(), cells[1].tolist()
-        for row, column, count, total in zip(rows, columns, table.calls[cells].tolist(),
-                                             table.seconds[cells].tolist(), strict=True):
-            key = (engine_idx, table.children[row], OPS[column])
-            if (series := self._duration_series.get(key)) is None:
-                series = self._duration_series[key] = self.duration.labels(*engine_labels, *key[1:])
+        for cell, (count, seconds) in table.cells.items():
+            slot = cell // table.buckets
+            if (series := self._duration_series.get((engine_idx, table.children, slot))) is None:
+                row, column = divmod(slot, len(OPS))
+                series = self.duration.labels(*engine_labels, table.children[row], OPS[column])
+                self._duration_series[(engine_idx, table.children, slot)] = series
             # The cell's mean latency lies inside its bucket: observing it ``count``
             # times gives Prometheus the exact bucket counts and the exact sum.
-            mean = total / count
+            mean = seconds / count
             for _ in range(count):
                 series.observe(mean)
-        for row, column in zip(*np.nonzero(table.counters), strict=True):
-            metric, extra_labels = _COUNTER_SERIES[COUNTERS[column]]
-            getattr(self, metric).labels(*engine_labels, table.children[row], *extra_labels).inc(
-                int(table.counters[row, column]))
+        for index, amount in enumerate(table.counters):
+            if amount:
+                row, column = divmod(index, len(COUNTERS))
+                metric, extra_labels = _COUNTER_SERIES[COUNTERS[column]]
+                getattr(self, metric).labels(*engine_labels, table.children[row], *extra_labels).inc(amount)
         for child, by_op in table.errors.items():
             for op, by_type in by_op.items():
                 for error_type, count in by_type.items():

@@ -3,20 +3,19 @@
 The composite asks :meth:`PipelineRecorder.wrap` to wrap each child operation
 once, at start-up. A wrapped call costs two clock reads and two list appends;
 latencies are sorted into buckets only when vLLM asks for the step's stats
-(:meth:`PipelineRecorder.take`), all of them at once. For the operations in
-``_RESULT_COUNTERS`` the wrapper also counts what the call meant (a lookup
-hit or miss, tokens matched or loaded, blocks that failed to load).
+(:meth:`PipelineRecorder.take`). For the operations in ``_RESULT_COUNTERS``
+the wrapper also counts what the call meant (a lookup hit or miss, tokens
+matched or loaded, blocks that failed to load).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any
 
-import numpy as np
-
-from kvcompose.metrics.table import COUNTERS, OPS, CallTable, ErrorCounts
+from kvcompose.metrics.table import COUNTERS, OPS, CallTable, Cells, ErrorCounts
 
 # Operations recorded, as they are named in Prometheus' ``op`` label.
 OPERATION_LABELS: dict[str, str] = {
@@ -37,6 +36,10 @@ PER_LAYER_OPERATIONS: dict[str, str] = {
     "wait_for_layer_load": "wait_for_layer_load",
     "save_kv_layer": "save_kv_layer",
 }
+
+# From this many workers up, a worker ships its table dense: the scheduler then
+# merges each worker's table in one array operation (see kvcompose.metrics.table).
+DENSE_FROM_WORKERS = 8
 
 # Latencies kept unbucketed before they are folded into the table; bounds the
 # memory of a process whose stats nobody takes (vLLM takes them every step).
@@ -77,16 +80,17 @@ class PipelineRecorder:
     """Every child's calls in this process since the last :meth:`take`; records nothing when metrics are off."""
 
     def __init__(
-        self, enabled: bool, bounds: Sequence[float], child_names: Sequence[str], per_layer: bool = False
+        self, enabled: bool, bounds: Sequence[float], child_names: Sequence[str], per_layer: bool = False,
+        ship_dense: bool = False,
     ) -> None:
         self.enabled = enabled
         self.per_layer = per_layer
+        self._ship_dense = ship_dense
         self._children = tuple(child_names)
-        self._bounds = np.asarray(bounds, np.float64)
-        self._shape = (len(self._children), len(OPS), len(bounds) + 1)  # a CallTable's calls and seconds
-        self._bucketed: tuple[np.ndarray, np.ndarray] | None = None  # (calls, seconds) folded since the last take
+        self._bounds = tuple(bounds)
+        self._bucketed: Cells = {}  # calls folded since the last take
         # Filled on the hot path, in place (wrappers hold references to them).
-        self._cells: list[int] = []  # (child, op) of each call, as child * len(OPS) + op
+        self._slots: list[int] = []  # (child, op) of each call, as child * len(OPS) + op
         self._latencies: list[float] = []
         self._counts = [[0] * len(COUNTERS) for _ in self._children]
         self._errors: ErrorCounts = {}
@@ -98,10 +102,10 @@ class PipelineRecorder:
         if not self.enabled or op is None:
             return call
         row = self._children.index(child_name)
-        cell = row * len(OPS) + OPS.index(op)
+        slot = row * len(OPS) + OPS.index(op)
         counts = self._counts[row]
         count_result = _RESULT_COUNTERS.get(operation)
-        cells, latencies = self._cells, self._latencies
+        slots, latencies = self._slots, self._latencies
 
         def observed(*args: Any, **kwargs: Any) -> Any:
             start = perf_counter()
@@ -109,12 +113,12 @@ class PipelineRecorder:
                 result = call(*args, **kwargs)
             except Exception as error:
                 latencies.append(perf_counter() - start)
-                cells.append(cell)
+                slots.append(slot)
                 self._count_error(child_name, op, type(error).__name__)
                 raise
             latencies.append(perf_counter() - start)
-            cells.append(cell)
-            if len(cells) >= MAX_PENDING_CALLS:
+            slots.append(slot)
+            if len(slots) >= MAX_PENDING_CALLS:
                 self._fold()
             if count_result is not None:
                 count_result(counts, args, result)
@@ -130,14 +134,16 @@ class PipelineRecorder:
 
     def take(self) -> CallTable | None:
         """The calls since the last take (None if there were none), then start afresh."""
-        if not (self._cells or self._bucketed or self._errors or any(map(any, self._counts))):
+        if not (self._slots or self._bucketed or self._errors or any(map(any, self._counts))):
             return None
         self._fold()
-        calls, seconds = self._bucketed or (np.zeros(self._shape, np.int64), np.zeros(self._shape, np.float64))
-        table = CallTable(self._children, calls, seconds, np.asarray(self._counts, np.int64), self._errors)
-        self._bucketed, self._errors = None, {}
-        for counts in self._counts:
-            counts[:] = _NO_COUNTS
+        counters = [count for child_counts in self._counts for count in child_counts]
+        table = CallTable(self._children, len(self._bounds) + 1, self._bucketed, counters, self._errors)
+        self._bucketed, self._errors = {}, {}
+        for child_counts in self._counts:
+            child_counts[:] = _NO_COUNTS
+        if self._ship_dense:
+            table.densify()
         return table
 
     def _count_error(self, child_name: str, op: str, error_type: str) -> None:
@@ -145,27 +151,20 @@ class PipelineRecorder:
         by_type[error_type] = by_type.get(error_type, 0) + 1
 
     def _fold(self) -> None:
-        """Sort the pending latencies into buckets, for the next take."""
-        if not self._cells:
-            return
-        calls, seconds = bucket_latencies(self._cells, self._latencies, self._bounds, self._shape)
-        self._cells.clear()
+        """Sort the pending latencies into their cells, for the next take."""
+        bucket_latencies(self._slots, self._latencies, self._bounds, into=self._bucketed)
+        self._slots.clear()
         self._latencies.clear()
-        if self._bucketed is None:
-            self._bucketed = calls, seconds
+
+
+def bucket_latencies(slots: Sequence[int], latencies: Sequence[float], bounds: Sequence[float], into: Cells) -> None:
+    """Count each latency, and add it up, in the cell of its slot and bucket: bucket ``i`` holds
+    ``bounds[i-1] < v <= bounds[i]`` (Prometheus' ``le``), the last one the rest."""
+    buckets = len(bounds) + 1
+    for slot, latency in zip(slots, latencies, strict=True):
+        cell = slot * buckets + bisect_left(bounds, latency)
+        if (entry := into.get(cell)) is None:
+            into[cell] = [1, latency]
         else:
-            folded_calls, folded_seconds = self._bucketed
-            folded_calls += calls
-            folded_seconds += seconds
-
-
-def bucket_latencies(
-    cells: Sequence[int], latencies: Sequence[float], bounds: np.ndarray, shape: tuple[int, int, int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Calls and summed seconds per (cell, bucket), bucket ``i`` holding ``bounds[i-1] < v <= bounds[i]``
-    (Prometheus' ``le``) and the last one the rest."""
-    values = np.asarray(latencies, np.float64)
-    flat = np.asarray(cells, np.int64) * shape[-1] + np.searchsorted(bounds, values)
-    size = shape[0] * shape[1] * shape[2]
-    calls = np.bincount(flat, minlength=size).reshape(shape)
-    return calls, np.bincount(flat, weights=values, minlength=size).reshape(shape)
+            entry[0] += 1
+            entry[1] += latency

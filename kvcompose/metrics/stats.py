@@ -72,7 +72,7 @@ class KVComposeStats(KVConnectorStats):
             other = KVComposeStats.from_payload(other.data)
         if other.calls is not None:
             if self.calls is None:
-                self.calls = CallTable.zeros(other.calls.children, other.calls.calls.shape[-1])
+                self.calls = CallTable(other.calls.children, other.calls.buckets)
             self.calls.add(other.calls)
         for name, stats in other.native.items():
             mine_native = self.native.get(name)

@@ -1,20 +1,25 @@
-"""CallTable: every child's calls since the last report, in one fixed-shape block.
+"""CallTable: every child's calls since the last report, in cells of a fixed grid.
 
-``calls[child, op, bucket]`` counts calls by latency bucket (the last bucket
-is +Inf) and ``seconds`` holds the same cells' summed latencies, so the
-front-end can replay exact bucket counts and the exact ``_sum`` into any
-Prometheus histogram with the same bounds. ``counters[child, counter]``
-counts what the calls meant (lookup hits, tokens). Errors, rare and keyed by
-exception type, are kept sparse.
+A cell is one (child, operation, latency bucket); the last bucket is +Inf.
+Each cell used holds its call count and summed seconds, so the front-end can
+replay exact bucket counts and the exact ``_sum`` into any Prometheus
+histogram with the same bounds. ``counters`` count what the calls meant
+(lookup hits, tokens), per child. Errors, rare and keyed by exception type,
+are kept apart.
 
-The shape depends on the pipeline only, never on the traffic, and merging the
-tables of 64 workers is a few array additions each.
+The grid depends on the pipeline only, so a table is never larger than the
+grid, whatever the traffic. A step uses a few cells: they are kept sparse, in
+plain Python, as that is what costs least on an engine step. Merging many
+large tables (64 workers of 16 children) goes through a dense array of the
+whole grid instead: the workers of a large engine ship their tables dense
+(:meth:`CallTable.densify`, paid in parallel in each worker), and the
+scheduler adds them up in one array operation each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from operator import add
 from typing import Any
 
 import numpy as np
@@ -28,72 +33,122 @@ OPS: tuple[str, ...] = (
 )  # fmt: skip
 COUNTERS: tuple[str, ...] = ("lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens", "load_error_blocks")
 
+# A merge that would leave more cells than this adds dense arrays instead.
+SPARSE_MERGE_LIMIT = 256
+
+Cells = dict[int, list[Any]]  # cell index -> [calls, seconds]
 ErrorCounts = dict[str, dict[str, dict[str, int]]]  # child -> op -> exception type -> calls
 
 
-@dataclass
-class CallTable:
-    children: tuple[str, ...]
-    calls: np.ndarray  # int64 [child, op, bucket]
-    seconds: np.ndarray  # float64 [child, op, bucket]
-    counters: np.ndarray  # int64 [child, counter]
-    errors: ErrorCounts = field(default_factory=dict)
+def cell_index(row: int, column: int, bucket: int, buckets: int) -> int:
+    """The cell of child ``row``, operation ``column`` (in ``OPS``) and latency ``bucket``."""
+    return (row * len(OPS) + column) * buckets + bucket
 
-    @classmethod
-    def zeros(cls, children: Sequence[str], buckets: int) -> CallTable:
-        shape = (len(children), len(OPS), buckets)
-        return cls(tuple(children), np.zeros(shape, np.int64), np.zeros(shape, np.float64),
-                   np.zeros((len(children), len(COUNTERS)), np.int64))
+
+class CallTable:
+    def __init__(
+        self, children: Sequence[str], buckets: int, cells: Cells | None = None, counters: list[int] | None = None,
+        errors: ErrorCounts | None = None,
+    ) -> None:
+        self.children = tuple(children)
+        self.buckets = buckets
+        self._cells: Cells = cells if cells is not None else {}
+        self._dense: np.ndarray | None = None  # [cell] -> (calls, seconds), while merging many tables
+        self.counters = counters if counters is not None else [0] * (len(self.children) * len(COUNTERS))
+        self.errors: ErrorCounts = errors if errors is not None else {}
+
+    @property
+    def cells(self) -> Cells:
+        """The cells used: index -> [calls, seconds]."""
+        if self._dense is not None:
+            used = np.flatnonzero(self._dense[:, 0])
+            self._cells = {cell: [int(count), total] for cell, (count, total) in
+                           zip(used.tolist(), self._dense[used].tolist(), strict=True)}
+            self._dense = None
+        return self._cells
+
+    def densify(self) -> None:
+        """Hold the cells as one array of the whole grid: bigger, but added up in one operation."""
+        if self._dense is None:
+            # float64 counts are exact to 2**53 calls.
+            self._dense = np.zeros((len(self.children) * len(OPS) * self.buckets, 2), np.float64)
+            self._add_sparse_to_dense(self._cells)
+            self._cells = {}
 
     def add(self, other: CallTable) -> None:
-        """Add ``other``'s counts into this table (``other`` is not modified)."""
-        if other.children != self.children or other.calls.shape != self.calls.shape:
+        """Add ``other``'s counts into this table (``other``'s counts are not modified)."""
+        if other.children != self.children or other.buckets != self.buckets:
             raise ValueError(
                 f"kvcompose: cannot merge call tables of different pipelines ({self.children} with "
-                f"{self.calls.shape[-1]} buckets, {other.children} with {other.calls.shape[-1]})"
+                f"{self.buckets} buckets, {other.children} with {other.buckets})"
             )
-        self.calls += other.calls
-        self.seconds += other.seconds
-        self.counters += other.counters
+        if other._dense is not None:
+            self.densify()
+            self._dense += other._dense
+        elif self._dense is None and len(self._cells) + len(other._cells) <= SPARSE_MERGE_LIMIT:
+            for cell, (count, total) in other._cells.items():
+                if (mine := self._cells.get(cell)) is None:
+                    self._cells[cell] = [count, total]
+                else:
+                    mine[0] += count
+                    mine[1] += total
+        else:
+            self.densify()
+            self._add_sparse_to_dense(other._cells)
+        self.counters = list(map(add, self.counters, other.counters))
         for child, by_op in other.errors.items():
-            mine = self.errors.setdefault(child, {})
+            mine_by_op = self.errors.setdefault(child, {})
             for op, by_type in by_op.items():
-                counts = mine.setdefault(op, {})
+                counts = mine_by_op.setdefault(op, {})
                 for error_type, count in by_type.items():
                     counts[error_type] = counts.get(error_type, 0) + count
 
+    def _add_sparse_to_dense(self, cells: Cells) -> None:
+        if cells:
+            assert self._dense is not None
+            used = np.fromiter(cells.keys(), np.int64, len(cells))
+            self._dense[used] += list(cells.values())  # each cell appears once, so plain indexing adds correctly
+
     def is_empty(self) -> bool:
-        return not (self.errors or self.calls.any() or self.counters.any())
+        return not (self.errors or any(self.counters) or self.cells)
 
     # ---- reading one child ----
 
     def call_count(self, child: str, op: str) -> int:
-        return int(self.calls[self.children.index(child), OPS.index(op)].sum())
+        first = cell_index(self.children.index(child), OPS.index(op), 0, self.buckets)
+        return sum(count for cell, (count, _) in self.cells.items() if first <= cell < first + self.buckets)
 
     def counter(self, child: str, name: str) -> int:
-        return int(self.counters[self.children.index(child), COUNTERS.index(name)])
+        return self.counters[self.children.index(child) * len(COUNTERS) + COUNTERS.index(name)]
+
+    def by_operation(self) -> dict[tuple[str, str], tuple[int, float]]:
+        """(child, op) -> (calls, seconds), over every bucket, for the operations called."""
+        totals: dict[tuple[str, str], tuple[int, float]] = {}
+        for cell, (count, seconds) in self.cells.items():
+            row, column = divmod(cell // self.buckets, len(OPS))
+            key = (self.children[row], OPS[column])
+            calls_so_far, seconds_so_far = totals.get(key, (0, 0.0))
+            totals[key] = (calls_so_far + count, seconds_so_far + seconds)
+        return totals
 
     def reduce(self) -> dict[str, int | float]:
         """Calls and mean ms per child and operation, plus lookup counters, for vLLM's periodic log."""
         reduced: dict[str, int | float] = {}
-        calls, seconds = self.calls.sum(axis=2), self.seconds.sum(axis=2)
-        for row, child in enumerate(self.children):
+        for child in self.children:
             for name in ("lookup_hits", "lookup_misses", "loaded_tokens"):
-                reduced[f"{child}.{name}"] = int(self.counters[row, COUNTERS.index(name)])
-            for column, op in enumerate(OPS):
-                if count := int(calls[row, column]):
-                    reduced[f"{child}.{op}.calls"] = count
-                    reduced[f"{child}.{op}.mean_ms"] = round(1000 * float(seconds[row, column]) / count, 4)
+                reduced[f"{child}.{name}"] = self.counter(child, name)
+        for (child, op), (count, seconds) in sorted(self.by_operation().items()):
+            reduced[f"{child}.{op}.calls"] = count
+            reduced[f"{child}.{op}.mean_ms"] = round(1000 * seconds / count, 4)
         return reduced
 
     # ---- crossing processes as plain data ----
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data; the latency cells travel sparse (flat index, calls, seconds), as most stay empty."""
-        cells = np.flatnonzero(self.calls)
+        cells = self.cells
         return {"children": list(self.children), "ops": list(OPS), "counter_names": list(COUNTERS),
-                "buckets": self.calls.shape[-1], "cells": cells.tolist(), "calls": self.calls.flat[cells].tolist(),
-                "seconds": self.seconds.flat[cells].tolist(), "counters": self.counters.tolist(),
+                "buckets": self.buckets, "cells": list(cells), "calls": [entry[0] for entry in cells.values()],
+                "seconds": [entry[1] for entry in cells.values()], "counters": list(self.counters),
                 "errors": self.errors}
 
     @classmethod
@@ -103,11 +158,7 @@ class CallTable:
                 "kvcompose: stats from a different kvcompose version (operations or counters differ); "
                 "run one kvcompose version across the engine and its front-end"
             )
-        table = cls.zeros(data["children"], data["buckets"])
-        cells = np.asarray(data["cells"], np.int64)
-        table.calls.flat[cells] = data["calls"]
-        table.seconds.flat[cells] = data["seconds"]
-        table.counters[:] = data["counters"]
-        table.errors = {child: {op: dict(by_type) for op, by_type in by_op.items()}
-                        for child, by_op in data["errors"].items()}
-        return table
+        cells = {cell: [count, seconds] for cell, count, seconds in
+                 zip(data["cells"], data["calls"], data["seconds"], strict=True)}
+        errors = {child: {op: dict(by_type) for op, by_type in by_op.items()} for child, by_op in data["errors"].items()}
+        return cls(data["children"], data["buckets"], cells, list(data["counters"]), errors)

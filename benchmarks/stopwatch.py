@@ -1,0 +1,90 @@
+"""Connector classes for the benchmark that keep a stopwatch on every call vLLM makes into them.
+
+The end-to-end benchmark names ``kv_connector_module_path: benchmarks.stopwatch``
+for MultiConnector and KVComposeConnector, so vLLM loads the same-named
+subclasses below (the configured name stays, and with it vLLM's special
+handling of "MultiConnector"), and each configuration also reports, in the
+same rounds as its throughput, how long its engine spent inside the
+connector (scheduler and worker side: ``ENGINE``) and how long the front-end
+spent putting the connector's stats into Prometheus (``FRONT_END``). On a
+shared machine throughput swings by 10% or more between rounds; the time
+spent in the connector is far steadier, and it is what kvcompose adds.
+
+A call made from inside another timed call (``get_finished`` asks
+``get_transfer_results``) counts once, in the outer one.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1 import multi_connector as vllm_multi_connector
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+from kvcompose import connectors as kvcompose_connectors
+from kvcompose.operations import CONNECTOR_OPERATIONS
+
+EXPORTER_THREAD_PREFIX = "OtelBatch"  # the OpenTelemetry SDK's batch processor threads
+
+
+class Stopwatch:
+    """Seconds spent in timed calls in this process since the last reset."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.running = False
+
+    def time(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.running:
+                return call(*args, **kwargs)
+            self.running = True
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.running = False
+
+        return timed
+
+
+ENGINE = Stopwatch()
+FRONT_END = Stopwatch()
+
+
+def exporter_cpu_s() -> float:
+    """CPU seconds used so far by this process's span-exporting threads (none without tracing)."""
+    return sum(
+        time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        for thread in threading.enumerate()
+        if thread.name.startswith(EXPORTER_THREAD_PREFIX) and thread.ident is not None
+    )
+
+
+def timed_connector_class(base: type[KVConnectorBase_V1]) -> type[KVConnectorBase_V1]:
+    """A same-named subclass of ``base`` whose every connector operation, and its Prometheus update, runs on the
+    stopwatch."""
+
+    def build_prom_metrics(cls: type, *args: Any, **kwargs: Any) -> Any:
+        metrics = base.build_prom_metrics.__func__(cls, *args, **kwargs)  # type: ignore[attr-defined]
+        if metrics is not None:
+            metrics.observe = FRONT_END.time(metrics.observe)
+        return metrics
+
+    namespace: dict[str, Any] = {
+        operation: ENGINE.time(getattr(base, operation))
+        for operation in CONNECTOR_OPERATIONS
+        if operation != "shutdown" and hasattr(base, operation)
+    }
+    namespace["build_prom_metrics"] = classmethod(build_prom_metrics)
+    return type(base.__name__, (base,), namespace)
+
+
+MultiConnector = timed_connector_class(vllm_multi_connector.MultiConnector)
+KVComposeConnector = timed_connector_class(kvcompose_connectors.KVComposeConnector)
