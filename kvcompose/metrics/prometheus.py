@@ -117,6 +117,9 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
             for spec in specs:
                 info.labels(*engine_labels, pipeline.name, spec.name, spec.class_name, str(spec.index)).set(1)
                 self.child_state.labels(*engine_labels, spec.name).set(0)
+                # Each counter starts at 0, so its first increase shows in rate() and increase().
+                for metric, extra_labels in _COUNTER_SERIES.values():
+                    getattr(self, metric).labels(*engine_labels, spec.name, *extra_labels)
         # (engine, children, slot) -> histogram series: labels() costs more than an observation.
         self._duration_series: dict[tuple[int, tuple[str, ...], int], Any] = {}
         self._native = _NativeChildMetrics(metric_types, labelnames, per_engine_labelvalues, specs)
