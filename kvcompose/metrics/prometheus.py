@@ -120,8 +120,8 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
                 # Each counter starts at 0, so its first increase shows in rate() and increase().
                 for metric, extra_labels in _COUNTER_SERIES.values():
                     getattr(self, metric).labels(*engine_labels, spec.name, *extra_labels)
-        # (engine, children, slot) -> histogram series: labels() costs more than an observation.
-        self._duration_series: dict[tuple[int, tuple[str, ...], int], Any] = {}
+        # (engine, child, op) -> histogram series: labels() costs more than an observation.
+        self._duration_series: dict[tuple[int, str, str], Any] = {}
         self._native = _NativeChildMetrics(metric_types, labelnames, per_engine_labelvalues, specs)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -138,11 +138,10 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
     def _observe_calls(self, table: CallTable, engine_idx: int) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
         for cell, (count, seconds) in table.cells.items():
-            slot = cell // table.buckets
-            if (series := self._duration_series.get((engine_idx, table.children, slot))) is None:
-                row, column = divmod(slot, len(OPS))
-                series = self.duration.labels(*engine_labels, table.children[row], OPS[column])
-                self._duration_series[(engine_idx, table.children, slot)] = series
+            row, column = divmod(cell // table.buckets, len(OPS))
+            key = (engine_idx, table.children[row], OPS[column])
+            if (series := self._duration_series.get(key)) is None:
+                series = self._duration_series[key] = self.duration.labels(*engine_labels, *key[1:])
             # The cell's mean latency lies inside its bucket: observing it ``count``
             # times gives Prometheus the exact bucket counts and the exact sum.
             mean = seconds / count
