@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY
-from kvcompose.metrics.table import COUNTERS, OPS, CallTable
+from kvcompose.metrics.table import COUNTERS, CallTable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -138,8 +138,7 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
     def _observe_calls(self, table: CallTable, engine_idx: int) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
         for cell, (count, seconds) in table.cells.items():
-            row, column = divmod(cell // table.buckets, len(OPS))
-            key = (engine_idx, table.children[row], OPS[column])
+            key = (engine_idx, *table.operation_of(cell))
             if (series := self._duration_series.get(key)) is None:
                 series = self._duration_series[key] = self.duration.labels(*engine_labels, *key[1:])
             # The cell's mean latency lies inside its bucket: observing it ``count``

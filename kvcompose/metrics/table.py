@@ -121,12 +121,16 @@ class CallTable:
     def counter(self, child: str, name: str) -> int:
         return self.counters[self.children.index(child) * len(COUNTERS) + COUNTERS.index(name)]
 
+    def operation_of(self, cell: int) -> tuple[str, str]:
+        """The (child, op) a cell counts calls of."""
+        row, column = divmod(cell // self.buckets, len(OPS))
+        return self.children[row], OPS[column]
+
     def by_operation(self) -> dict[tuple[str, str], tuple[int, float]]:
         """(child, op) -> (calls, seconds), over every bucket, for the operations called."""
         totals: dict[tuple[str, str], tuple[int, float]] = {}
         for cell, (count, seconds) in self.cells.items():
-            row, column = divmod(cell // self.buckets, len(OPS))
-            key = (self.children[row], OPS[column])
+            key = self.operation_of(cell)
             calls_so_far, seconds_so_far = totals.get(key, (0, 0.0))
             totals[key] = (calls_so_far + count, seconds_so_far + seconds)
         return totals
