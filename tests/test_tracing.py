@@ -212,3 +212,30 @@ def test_ids_do_not_repeat_when_pythons_random_is_seeded_alike() -> None:
     first = (generator.generate_trace_id(), generator.generate_span_id())
     random.seed(0)
     assert (generator.generate_trace_id(), generator.generate_span_id()) != first
+
+
+def test_isolated_step_failures_under_unsampled_step_spans_answer_neutrally(vllm_config_with: Callable) -> None:
+    """The shipped hang: with step spans that the sampler drops, a failed step call's
+    isolation answer was read for span attributes, and the error escaped into vLLM's loop."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+
+    provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF))  # sampled requests kept, root step spans dropped
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    set_tracer_provider(provider)
+    try:
+        failing = {"raises": ["get_transfer_results", "get_block_ids_with_load_errors"]}
+        scheduler, worker = composite_pair(vllm_config_with, _pipeline({"granularity": "step"}, hot=failing))
+        request = make_request("r1", TRACEPARENT)
+        scheduler.get_num_new_matched_tokens(request, 0)
+        scheduler.update_state_after_alloc(request, make_blocks(1, 2), 0)
+        worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=[request])))
+        results, load_errors = forward_step(worker, finished={"r1"})
+        worker.clear_connector_metadata()
+        scheduler.request_finished(request, [1, 2])
+    finally:
+        set_tracer_provider(None)
+
+    assert (results.finished_sending, results.finished_recving, load_errors) == (set(), set(), set())
+    assert worker.get_kv_connector_stats().calls.errors["hot"] == {
+        "get_transfer_results": {"ScriptedFailure": 1}, "get_block_ids_with_load_errors": {"ScriptedFailure": 1}}

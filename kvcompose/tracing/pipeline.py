@@ -182,8 +182,9 @@ class PipelineTracer:
             attr.mark_error(span, error)
             raise
         else:
-            # A call that failed or was skipped (marked by error isolation) has no result to describe.
-            if extract is not None and not attr.is_error(span):
+            # A call that failed or was skipped (marked by error isolation) has no result to describe;
+            # on a span the sampler dropped nothing is marked, so nothing is described either.
+            if extract is not None and span.is_recording() and not attr.is_error(span):
                 span.set_attributes(extract(args, result))
             return result
         finally:
