@@ -109,7 +109,10 @@ class TracingSection(_Section):
     endpoint: str | None = Field(
         None, description="OTLP/HTTP traces endpoint; else the OTEL_EXPORTER_OTLP_* environment variables."
     )
-    sample_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    sample_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | None = Field(
+        None, description="Share of requests without a sampled caller that are traced. Unset: OTEL_TRACES_SAMPLER "
+        "and OTEL_TRACES_SAMPLER_ARG decide, else every request is traced.",
+    )
     granularity: Literal["request", "step", "layer"] = "request"
 
 

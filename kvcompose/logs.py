@@ -13,27 +13,33 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import MutableMapping
+from contextvars import ContextVar
 from typing import Any
 
 import structlog
 from opentelemetry import trace
 
 from kvcompose.config import LoggingSection
-from kvcompose.tracing.attributes import CONNECTOR_NAME
 
 ROOT_LOGGER = "kvcompose"
 
+# The traced child call running now, set by kvcompose's tracer: (trace id, span id, child name).
+CURRENT_CALL: ContextVar[tuple[int, int, str] | None] = ContextVar("kvcompose_current_call", default=None)
+
 
 def add_trace_context(logger: Any, method_name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """structlog processor: the current span's ids and child name."""
-    span = trace.get_current_span()
-    context = span.get_span_context()
+    """structlog processor: the ids of the traced call running now (else of an embedder's current
+    OpenTelemetry span) and the child's name."""
+    if (call := CURRENT_CALL.get()) is not None:
+        trace_id, span_id, connector = call
+        event.setdefault("trace_id", trace.format_trace_id(trace_id))
+        event.setdefault("span_id", trace.format_span_id(span_id))
+        event.setdefault("connector", connector)
+        return event
+    context = trace.get_current_span().get_span_context()
     if context.is_valid:
         event.setdefault("trace_id", trace.format_trace_id(context.trace_id))
         event.setdefault("span_id", trace.format_span_id(context.span_id))
-        connector = (getattr(span, "attributes", None) or {}).get(CONNECTOR_NAME)
-        if connector is not None:
-            event.setdefault("connector", connector)
     return event
 
 

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from benchmarks import end_to_end, hot_path, stats_merge, targets
-from kvcompose.tracing import set_tracer_provider
+from kvcompose.tracing import set_span_exporter
 
 
 def _finite(values: Any) -> bool:
@@ -40,18 +40,18 @@ def test_hot_path_times_every_subject_for_every_call() -> None:
 def test_traced_subjects_make_spans_in_their_bound_step() -> None:
     """Otherwise the traced columns would time the no-op path."""
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    set_tracer_provider(provider)
+    set_span_exporter(exporter)
     try:
         worker = hot_path.build_subjects(2)["worker"]
     finally:
-        set_tracer_provider(None)
-    exporter.clear()  # the spans of building the step
+        set_span_exporter(None)
 
     def spans_of(subject: str, statement: str) -> set[str]:
+        tracing = worker[subject]._tracing
+        tracing.flush()  # the records of building the step
         exporter.clear()
         exec(statement, {"c": worker[subject]})
+        tracing.flush()
         return {span.name for span in exporter.get_finished_spans()}
 
     save = hot_path.OPERATIONS["wait_for_save"][1]

@@ -16,20 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from kvcompose.config import TracingSection, load_pipeline
+from kvcompose.config import load_pipeline
 from kvcompose.logs import ROOT_LOGGER
 from kvcompose.metrics.summary import summarize
 from kvcompose.render import kv_transfer_config
 from kvcompose.testing.tiny_model import prompt_words
-from kvcompose.tracing import set_tracer_provider
-from kvcompose.tracing.provider import provider_for
+from kvcompose.tracing import set_span_exporter
 
 from .engine_support import generate, start_llm
-from .server_support import free_port
 
 pytestmark = pytest.mark.engine
 
@@ -64,8 +61,7 @@ def faulty(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
     root = tmp_path_factory.mktemp("faulty")
     stores = {"flaky": root / "flaky", "cold": root / "cold"}
-    unreachable = f"http://127.0.0.1:{free_port()}/v1/traces"
-    tracing = {"enabled": True, "granularity": "step", "endpoint": unreachable}
+    tracing = {"enabled": True, "granularity": "step"}
     pipeline = {"version": 1, "name": "faulty", "tracing": tracing, "children": [
         {"name": "flaky", "connector": "FaultInjectionConnector", "module_path": "kvcompose.connectors",
          "circuit_breaker": BREAKER,
@@ -73,11 +69,9 @@ def faulty(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
              "connector": "ExampleConnector", "config": {"shared_storage_path": str(stores["flaky"])}}}},
         {"name": "cold", "connector": "ExampleConnector", "config": {"shared_storage_path": str(stores["cold"])}},
     ]}
-    # The pipeline's own provider (batch export to a collector that is not there), plus a copy in memory.
-    provider = provider_for(TracingSection(**tracing))
+    # Spans in memory (the unreachable collector is tests/test_span_shipping.py's).
     spans = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(spans))
-    set_tracer_provider(provider)
+    set_span_exporter(spans)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm.envs.disable_envs_cache()
@@ -86,7 +80,7 @@ def faulty(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             yield FaultyEngine(llm, stores, spans)
         finally:
             llm.llm_engine.engine_core.shutdown()
-            set_tracer_provider(None)
+            set_span_exporter(None)
     vllm.envs.disable_envs_cache()
 
 

@@ -167,16 +167,12 @@ def test_nothing_stays_behind_after_requests_finish(vllm_config_with: Callable) 
 
 
 def test_breaker_changes_are_span_events_even_outside_a_traced_call(vllm_config_with: Callable) -> None:
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from kvcompose.tracing import set_tracer_provider
+    from kvcompose.tracing import set_span_exporter
 
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    set_tracer_provider(provider)
+    set_span_exporter(exporter)
     try:
         scripts = {"hot": {"raises": ["save_kv_layer"]}, "cold": {}}
         children = [{"name": name, **RECORDING, "config": {"log": f"isolation/{name}", "script": script},
@@ -184,8 +180,9 @@ def test_breaker_changes_are_span_events_even_outside_a_traced_call(vllm_config_
         _, worker = composite_pair(vllm_config_with, {"version": 1, "name": "iso", "tracing": {"enabled": True},
                                                       "children": children})
         worker.save_kv_layer("layer.0", None, None)  # per-layer calls make no span at request granularity
+        worker._tracing.flush()  # what the step's end does
     finally:
-        set_tracer_provider(None)
+        set_span_exporter(None)
     (span,) = exporter.get_finished_spans()
     assert span.name == "kvcompose.circuit_breaker"
     assert [(event.name, dict(event.attributes)) for event in span.events] == [

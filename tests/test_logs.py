@@ -11,8 +11,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvcompose.config import LoggingSection
-from kvcompose.logs import ROOT_LOGGER, configure_logging, get_logger
-from kvcompose.tracing.attributes import CONNECTOR_NAME
+from kvcompose.logs import CURRENT_CALL, ROOT_LOGGER, configure_logging, get_logger
 
 
 @pytest.fixture
@@ -27,20 +26,30 @@ def captured() -> Iterator[io.StringIO]:
     configure_logging(LoggingSection())
 
 
-def test_json_line_inside_a_child_span_carries_trace_ids_and_child(captured: io.StringIO) -> None:
+def test_json_line_inside_a_traced_child_call_carries_trace_ids_and_child(captured: io.StringIO) -> None:
     configure_logging(LoggingSection(format="json", level="INFO"))
-    tracer = TracerProvider().get_tracer("test")
-    with tracer.start_as_current_span("kvcompose.lookup", attributes={CONNECTOR_NAME: "hot"}) as span:
+    token = CURRENT_CALL.set((0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, "hot"))
+    try:
         get_logger("test").warning("child call failed", error_type="OSError", request_id="r1")
+    finally:
+        CURRENT_CALL.reset(token)
 
     line = json.loads(captured.getvalue())
-    context = span.get_span_context()
     assert line["event"] == "child call failed"
     assert line["level"] == "warning"
-    assert line["trace_id"] == format(context.trace_id, "032x")
-    assert line["span_id"] == format(context.span_id, "016x")
+    assert line["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert line["span_id"] == "00f067aa0ba902b7"
     assert line["connector"] == "hot"
     assert line["request_id"] == "r1"
+
+
+def test_inside_an_embedders_span_its_ids(captured: io.StringIO) -> None:
+    configure_logging(LoggingSection(format="json", level="INFO"))
+    with TracerProvider().get_tracer("test").start_as_current_span("embedder") as span:
+        get_logger("test").warning("child call failed")
+
+    line = json.loads(captured.getvalue())
+    assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
 
 
 def test_outside_a_span_no_ids_and_the_level_filters(captured: io.StringIO) -> None:

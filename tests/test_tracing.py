@@ -7,17 +7,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from kvcompose.testing import recording
 from kvcompose.testing.steps import forward_step
-from kvcompose.tracing import NoTracing, set_tracer_provider
+from kvcompose.tracing import NoTracing, set_span_exporter
 from kvcompose.tracing import attributes as attr
-from kvcompose.config import TracingSection
-from kvcompose.tracing.provider import OsRandomIdGenerator, provider_for, traces_url
+from kvcompose.tracing.exporters import traces_url
+from kvcompose.tracing.records import IdSource
 
 from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
 
@@ -34,11 +33,9 @@ ALLOWED_ATTRIBUTES = {
 @pytest.fixture
 def exporter() -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    set_tracer_provider(provider)
+    set_span_exporter(exporter)
     yield exporter
-    set_tracer_provider(None)
+    set_span_exporter(None)
 
 
 def _pipeline(tracing: dict[str, Any], hot: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -170,11 +167,8 @@ def test_a_failing_child_call_is_an_error_span(vllm_config_with: Callable, expor
     assert "scripted failure" not in str(failed.status.description)  # messages stay out of spans
 
 
-def test_unsampled_requests_create_no_spans_and_no_metadata(vllm_config_with: Callable) -> None:
-    tracing = {"exporter": "none", "sample_ratio": 0.0}
-    provider = provider_for(TracingSection(enabled=True, **tracing))  # the pipeline's own sampler
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+def test_unsampled_requests_create_no_spans_and_no_metadata(vllm_config_with: Callable, exporter: Any) -> None:
+    tracing = {"sample_ratio": 0.0}
     scheduler, worker = composite_pair(vllm_config_with, _pipeline(tracing))
     metadata = _serve_one_request(scheduler, worker, make_request("r1"))
 
@@ -207,35 +201,38 @@ def test_endpoint_accepts_a_base_url_or_a_traces_url(endpoint: str, url: str) ->
 
 def test_ids_do_not_repeat_when_pythons_random_is_seeded_alike() -> None:
     """vLLM seeds ``random`` the same way in every process of a prefill/decode pair."""
-    generator = OsRandomIdGenerator()
+    ids = IdSource()
     random.seed(0)
-    first = (generator.generate_trace_id(), generator.generate_span_id())
+    first = (ids.trace_id(), ids.span_id())
     random.seed(0)
-    assert (generator.generate_trace_id(), generator.generate_span_id()) != first
+    assert (ids.trace_id(), ids.span_id()) != first
 
 
-def test_isolated_step_failures_under_unsampled_step_spans_answer_neutrally(vllm_config_with: Callable) -> None:
-    """The shipped hang: with step spans that the sampler drops, a failed step call's
-    isolation answer was read for span attributes, and the error escaped into vLLM's loop."""
-    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
-
-    provider = TracerProvider(sampler=ParentBased(ALWAYS_OFF))  # sampled requests kept, root step spans dropped
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    set_tracer_provider(provider)
-    try:
-        failing = {"raises": ["get_transfer_results", "get_block_ids_with_load_errors"]}
-        scheduler, worker = composite_pair(vllm_config_with, _pipeline({"granularity": "step"}, hot=failing))
-        request = make_request("r1", TRACEPARENT)
-        scheduler.get_num_new_matched_tokens(request, 0)
-        scheduler.update_state_after_alloc(request, make_blocks(1, 2), 0)
-        worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=[request])))
-        results, load_errors = forward_step(worker, finished={"r1"})
-        worker.clear_connector_metadata()
-        scheduler.request_finished(request, [1, 2])
-    finally:
-        set_tracer_provider(None)
+@pytest.mark.parametrize("sample_ratio", [0.0, 0.5])
+def test_a_sampled_requests_step_spans_are_kept_and_isolated_failures_answer_neutrally(
+    vllm_config_with: Callable, exporter: Any, sample_ratio: float
+) -> None:
+    """The shipped hang: under a ratio below 1 a step span could be dropped on its own, and a failed
+    step call's isolation answer was then read for span attributes; the error escaped into vLLM's loop.
+    A request its caller sampled keeps every span, step spans included, whatever the ratio."""
+    failing = {"raises": ["get_transfer_results", "get_block_ids_with_load_errors"]}
+    pipeline = _pipeline({"granularity": "step", "sample_ratio": sample_ratio}, hot=failing)
+    scheduler, worker = composite_pair(vllm_config_with, pipeline)
+    request = make_request("r1", TRACEPARENT)
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, make_blocks(1, 2), 0)
+    worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=[request])))
+    results, load_errors = forward_step(worker, finished={"r1"})
+    worker.clear_connector_metadata()
+    scheduler.request_finished(request, [1, 2])
 
     assert (results.finished_sending, results.finished_recving, load_errors) == (set(), set(), set())
     assert worker.get_kv_connector_stats().calls.errors["hot"] == {
         "get_transfer_results": {"ScriptedFailure": 1}, "get_block_ids_with_load_errors": {"ScriptedFailure": 1}}
+    spans = _by_name(exporter.get_finished_spans())
+    (step,) = spans["kvcompose.step"]
+    failed = [span for span in spans["kvcompose.get_transfer_results"] if span.attributes[attr.CONNECTOR_NAME] == "hot"]
+    assert failed[0].parent.span_id == step.context.span_id
+    assert failed[0].status.status_code is StatusCode.ERROR
+    assert failed[0].attributes[attr.ERROR_TYPE] == "kvcompose.testing.recording.ScriptedFailure"
+    assert attr.FINISHED_SENDING not in failed[0].attributes

@@ -116,7 +116,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         """Where each child operation is wrapped, once, at start-up: timing
         innermost, then error isolation, then the span around both."""
         metered = self._recorder.wrap(spec.name, operation, call)
-        return self._tracing.wrap(spec, operation, self._guards[spec.index].wrap(operation, metered))
+        guard = self._guards[spec.index]
+        return self._tracing.wrap(spec, operation, guard.wrap(operation, metered), guard)
 
     def _breaker_changed(self, guard: ChildGuard) -> None:
         self._bind_layer_calls()
@@ -433,7 +434,7 @@ class KVComposeConnector(KVConnectorBase_V1):
                         params.update(child_params)
         finally:
             self._scheduler_ledger.finished(request.request_id, async_savers)
-            self._tracing.request_finished(request)
+            self._tracing.request_finished(request, saves_async=bool(async_savers))
         return bool(async_savers), self._pairing.stamp(params)
 
     def register_finished_partial_tail(

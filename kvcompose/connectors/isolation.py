@@ -19,11 +19,9 @@ from collections.abc import Callable
 from time import monotonic
 from typing import Any
 
-from opentelemetry import trace
-
 from kvcompose.config import ChildConfig
 from kvcompose.logs import get_logger
-from kvcompose.tracing.attributes import mark_error, mark_skipped
+from kvcompose.tracing.pipeline import qualified_name
 
 logger = get_logger("isolation")
 
@@ -99,6 +97,10 @@ class ChildGuard:
         self._opens_unreported = 0
         self._reported_state = BreakerState.CLOSED
         self._open_until = 0.0
+        # Calls answered with a fallback (failed or skipped), and why the last one was: the tracer
+        # compares the count around a call to mark its span.
+        self.failures = 0
+        self.last_error_type = ""
 
     # ---- wrapping child calls (once, at start-up) ----
 
@@ -114,8 +116,8 @@ class ChildGuard:
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if self.state is not closed and not self.allows_call():
-                if (span := trace.get_current_span()).is_recording():
-                    mark_skipped(span, CIRCUIT_OPEN)
+                self.failures += 1
+                self.last_error_type = CIRCUIT_OPEN
                 return fallback()
             try:
                 result = call(*args, **kwargs)
@@ -143,11 +145,10 @@ class ChildGuard:
             self._set_state(BreakerState.CLOSED)
 
     def failed(self, operation: str, error: Exception) -> None:
-        """Record a failed call: log it inside the current span, mark the span, maybe open the circuit."""
+        """Record a failed call, log it (inside its span's ids), maybe open the circuit."""
         self.consecutive_failures += 1
-        span = trace.get_current_span()
-        if span.is_recording():
-            mark_error(span, error)
+        self.failures += 1
+        self.last_error_type = qualified_name(type(error))
         logger.warning(
             "child call failed", connector=self.name, op=operation, error_type=type(error).__name__,
             consecutive_failures=self.consecutive_failures, isolated=self.isolate,

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from opentelemetry.trace import Span, Status, StatusCode
-
 # Attribute keys.
 CONNECTOR_NAME = "kvcompose.connector.name"
 CONNECTOR_INDEX = "kvcompose.connector.index"
@@ -25,6 +23,10 @@ REQUESTS = "kvcompose.requests"
 LAYER = "kvcompose.layer"
 FINISHED_SENDING = "kvcompose.finished.sending"
 FINISHED_RECVING = "kvcompose.finished.recving"
+TRANSFER_DIRECTION = "kvcompose.transfer.direction"  # load | save
+TRANSFER_BLOCKS = "kvcompose.transfer.blocks"
+TRANSFER_BYTES = "kvcompose.transfer.bytes"
+TRANSFER_OUTCOME = "kvcompose.transfer.outcome"  # ok | failed | aborted
 ERROR_TYPE = "error.type"  # OpenTelemetry's semantic convention for failures
 
 SPAN_PREFIX = "kvcompose."
@@ -32,27 +34,6 @@ SPAN_PREFIX = "kvcompose."
 
 def span_name(operation: str) -> str:
     return SPAN_PREFIX + operation
-
-
-def mark_error(span: Span, error: BaseException) -> None:
-    """Status ERROR and ``error.type``; the message is left out (it may quote request data)."""
-    error_type = type(error)
-    qualified = error_type.__qualname__ if error_type.__module__ == "builtins" else (
-        f"{error_type.__module__}.{error_type.__qualname__}"
-    )
-    span.set_attribute(ERROR_TYPE, qualified)
-    span.set_status(Status(StatusCode.ERROR, error_type.__name__))
-
-
-def mark_skipped(span: Span, reason: str) -> None:
-    """A call that was not made (its child's circuit is open)."""
-    span.set_attribute(ERROR_TYPE, reason)
-    span.set_status(Status(StatusCode.ERROR, reason))
-
-
-def is_error(span: Span) -> bool:
-    status = getattr(span, "status", None)  # recording SDK spans only
-    return status is not None and status.status_code is StatusCode.ERROR
 
 
 def _lookup(args: tuple[Any, ...], result: Any) -> Mapping[str, Any]:

@@ -7,39 +7,43 @@ Scheduler side, every granularity: a ``kvcompose.request`` span per request
 
 Worker side, every granularity: ``kvcompose.load`` for each request a child
 loads in a step and ``kvcompose.save`` for each request in its first step, per
-saving child, both in the request's trace. The scheduler sends each request's
-span context to the workers in the composite's metadata (:class:`TracedRequest`).
+saving child, and a ``kvcompose.transfer`` per transfer (see
+:mod:`kvcompose.connectors.transfers`), all in the request's trace. The
+scheduler sends each traced request's span context to the workers in the
+composite's metadata (:class:`TracedRequest`).
 
 ``step`` adds a ``kvcompose.step`` span per worker step that moves KV for a
-sampled request (its first step, or a load), linked to each such request,
+traced request (its first step, or a load), linked to each such request,
 with the children's step calls under it; ``layer`` adds the per-layer calls.
-Decode-only steps make no span: at a few milliseconds per step, a span per
-step and child would cost more than the step's work (see ``make bench``).
-Requests that are not sampled cost a dict look-up.
+Decode-only steps make no span. A step span exists only for traced requests,
+so a sampled request keeps all its spans whatever the ratio.
+
+Spans are :class:`SpanRecord` tuples here (ids and clock reads, no
+OpenTelemetry objects); each step's records go to the process's shipper in
+one batch. Requests that are not sampled cost a dict look-up per call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from time import time_ns
-from typing import TYPE_CHECKING, Any
-
-from opentelemetry import trace
-from opentelemetry.context import Context, attach, detach
-from opentelemetry.trace import Link, Span, Tracer
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcompose.config import Pipeline
+from kvcompose.logs import CURRENT_CALL
 from kvcompose.metrics.recorder import OPERATION_LABELS
 from kvcompose.tracing import attributes as attr
-from kvcompose.tracing.provider import SHUTDOWN_FLUSH_MS, provider_for
+from kvcompose.tracing.records import IDS, SpanRecord, parse_traceparent, traceparent
+from kvcompose.tracing.sampling import Sampling, sampling_for
+from kvcompose.tracing.shipping import SpanShipper, shipper_for
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
     from kvcompose.connectors.children import ChildSpec
+    from kvcompose.connectors.isolation import ChildGuard
     from kvcompose.connectors.metadata import LoadPlan
 
 # Scheduler-side child calls whose first argument is the request.
@@ -52,7 +56,7 @@ REQUEST_OPERATIONS = frozenset({
 STEP_OPERATIONS = frozenset({"start_load_kv", "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors"})
 LAYER_OPERATIONS = frozenset({"save_kv_layer", "wait_for_layer_load"})
 
-_PROPAGATOR = TraceContextTextMapPropagator()
+Extract = Callable[[tuple[Any, ...], Any], Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -64,39 +68,60 @@ class TracedRequest:
     new: bool  # its first step: the prompt's KV is saved now
 
 
+class SpanContextIds(NamedTuple):
+    trace_id: int
+    span_id: int
+
+
 @dataclass
 class _RequestSpan:
-    span: Span
-    context: Context
-    traceparent: str | None  # None when not sampled
+    trace_id: int
+    span_id: int
+    parent_id: int
+    start_ns: int
 
     @property
-    def sampled(self) -> bool:
-        return self.traceparent is not None
+    def traceparent(self) -> str:
+        return traceparent(self.trace_id, self.span_id)
+
+
+def qualified_name(error_type: type[BaseException]) -> str:
+    """``error.type`` of a failure: the class's qualified name (the message may quote request data)."""
+    if error_type.__module__ == "builtins":
+        return error_type.__qualname__
+    return f"{error_type.__module__}.{error_type.__qualname__}"
 
 
 class PipelineTracer:
-    """Creates the spans of one composite; see the module docstring."""
+    """Records the spans of one composite; see the module docstring."""
 
-    def __init__(self, tracer: Tracer, pipeline: Pipeline, role: str, flush: Callable[[], object]) -> None:
-        self._tracer = tracer
-        self._flush = flush
+    def __init__(self, shipper: SpanShipper, sampling: Sampling, pipeline: Pipeline, role: str) -> None:
+        self._shipper = shipper
+        self._sampling = sampling
         self._pipeline = pipeline.name
         self._role = role
         self._step_spans = pipeline.tracing.granularity in ("step", "layer")
         self._layer_spans = pipeline.tracing.granularity == "layer"
-        # Scheduler side.
-        self._requests: dict[str, _RequestSpan] = {}
+        self._records: list[SpanRecord] = []
+        self._events: list[tuple[str, int, Mapping[str, Any]]] | None = None  # of the traced call running now
+        # Scheduler side: every request seen, None when not sampled.
+        self._requests: dict[str, _RequestSpan | None] = {}
+        self._loaders: dict[str, str] = {}  # traced request id -> name of the child chosen to load it
+        self._finished_async: dict[str, str] = {}  # finished requests with async saves -> traceparent
         # Worker side: the bound step.
         self._step: tuple[TracedRequest, ...] = ()
         self._step_loaders: dict[str, int] = {}  # request id -> index of the child loading it
-        self._step_contexts: dict[str, Context] = {}
-        self._step_span: Span | None = None
-        self._step_context: Context | None = None
+        self._step_contexts: dict[str, SpanContextIds] = {}
+        self._step_span: SpanContextIds | None = None
+        self._step_start = 0
 
     # ---- wrapping child calls (once, at start-up) ----
 
-    def wrap(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(
+        self, spec: ChildSpec, operation: str, call: Callable[..., Any], guard: ChildGuard | None = None
+    ) -> Callable[..., Any]:
+        """``call`` traced; ``guard`` is the child's error isolation inside the span (it tells of failures
+        it answered for)."""
         base = {
             attr.CONNECTOR_NAME: spec.name,
             attr.CONNECTOR_INDEX: spec.index,
@@ -106,49 +131,51 @@ class PipelineTracer:
         name = attr.span_name(OPERATION_LABELS.get(operation, operation))
         extract = attr.RESULT_ATTRIBUTES.get(operation)
         if operation in REQUEST_OPERATIONS:
-            return self._request_call(spec, operation, name, base, extract, call)
+            return self._request_call(spec, operation, name, base, extract, guard, call)
         if operation in STEP_OPERATIONS or operation in LAYER_OPERATIONS:
             traced = call
             if self._step_spans and (operation in STEP_OPERATIONS or self._layer_spans):
-                traced = self._step_call(name, base, extract, call)
+                traced = self._step_call(name, base, extract, guard, call)
             if operation == "start_load_kv":
-                return self._per_request_call("kvcompose.load", base, self._loaded_by(spec.index), traced)
+                return self._per_request_call("kvcompose.load", base, self._loaded_by(spec.index), guard, traced)
             if operation == "wait_for_save":
-                return self._per_request_call("kvcompose.save", base, self._new_requests, traced)
+                return self._per_request_call("kvcompose.save", base, self._new_requests, guard, traced)
             return traced
         return call
 
     def _request_call(
-        self, spec: ChildSpec, operation: str, name: str, base: Mapping[str, Any],
-        extract: Callable[..., Mapping[str, Any]] | None, call: Callable[..., Any],
+        self, spec: ChildSpec, operation: str, name: str, base: Mapping[str, Any], extract: Extract | None,
+        guard: ChildGuard | None, call: Callable[..., Any],
     ) -> Callable[..., Any]:
         note_loader = operation == "update_state_after_alloc"
 
         def traced(request: Request, *args: Any, **kwargs: Any) -> Any:
             entry = self._request_span(request)
-            if not entry.sampled:
+            if entry is None:
                 return call(request, *args, **kwargs)
             attributes = {**base, attr.REQUEST_ID: request.request_id}
-            result = self._in_span(name, entry.context, attributes, extract, call, (request, *args), kwargs)
+            result = self._traced_call(name, entry.trace_id, entry.span_id, attributes, extract, guard, call,
+                                       (request, *args), kwargs)
             if note_loader and args[1] > 0:
-                entry.span.set_attribute(attr.LOADED_BY, spec.name)
+                self._loaders[request.request_id] = spec.name
             return result
 
         return traced
 
     def _step_call(
-        self, name: str, base: Mapping[str, Any], extract: Callable[..., Mapping[str, Any]] | None,
+        self, name: str, base: Mapping[str, Any], extract: Extract | None, guard: ChildGuard | None,
         call: Callable[..., Any],
     ) -> Callable[..., Any]:
         def traced(*args: Any, **kwargs: Any) -> Any:
-            if self._step_context is None:
+            if (step := self._step_span) is None:
                 return call(*args, **kwargs)
-            return self._in_span(name, self._step_context, base, extract, call, args, kwargs)
+            return self._traced_call(name, step.trace_id, step.span_id, base, extract, guard, call, args, kwargs)
 
         return traced
 
     def _per_request_call(
-        self, name: str, base: Mapping[str, Any], select: Callable[[], list[TracedRequest]], call: Callable[..., Any]
+        self, name: str, base: Mapping[str, Any], select: Callable[[], list[TracedRequest]],
+        guard: ChildGuard | None, call: Callable[..., Any],
     ) -> Callable[..., Any]:
         """One span per selected request, timed by this call, in that request's trace."""
 
@@ -156,53 +183,56 @@ class PipelineTracer:
             requests = select()
             if not requests:
                 return call(*args, **kwargs)
-            start, failure = time_ns(), None
+            start, error_type = time_ns(), None
+            failures = guard.failures if guard is not None else 0
             try:
                 return call(*args, **kwargs)
             except Exception as error:
-                failure = error
+                error_type = qualified_name(type(error))
                 raise
             finally:
-                self._emit(name, base, requests, start, time_ns(), failure)
+                end = time_ns()
+                if guard is not None and guard.failures != failures:
+                    error_type = guard.last_error_type
+                for request in requests:
+                    parent = self._step_contexts[request.request_id]
+                    self._records.append(SpanRecord(
+                        name, parent.trace_id, IDS.span_id(), parent.span_id, start, end,
+                        {**base, attr.REQUEST_ID: request.request_id}, error_type,
+                    ))
 
         return traced
 
-    def _in_span(
-        self, name: str, parent: Context, attributes: Mapping[str, Any],
-        extract: Callable[..., Mapping[str, Any]] | None, call: Callable[..., Any],
-        args: tuple[Any, ...], kwargs: Mapping[str, Any],
+    def _traced_call(
+        self, name: str, trace_id: int, parent_id: int, attributes: Mapping[str, Any], extract: Extract | None,
+        guard: ChildGuard | None, call: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
     ) -> Any:
-        span = self._tracer.start_span(name, context=parent, attributes=attributes)
-        # The span is current during the call (error isolation marks the current
-        # span), attached by hand: start_as_current_span costs ~20% more per span.
-        token = attach(trace.set_span_in_context(span, parent))
+        """Run ``call`` as a span under ``parent_id``: its timing, its failure (raised, or answered by
+        ``guard``), what its result says, and breaker events that happen during it."""
+        span_id = IDS.span_id()
+        failures = guard.failures if guard is not None else 0
+        events: list[tuple[str, int, Mapping[str, Any]]] = []
+        outer_events, self._events = self._events, events
+        token = CURRENT_CALL.set((trace_id, span_id, attributes[attr.CONNECTOR_NAME]))
+        start = time_ns()
+        error_type = None
         try:
             result = call(*args, **kwargs)
         except Exception as error:
-            attr.mark_error(span, error)
+            error_type = qualified_name(type(error))
             raise
         else:
-            # A call that failed or was skipped (marked by error isolation) has no result to describe;
-            # on a span the sampler dropped nothing is marked, so nothing is described either.
-            if extract is not None and span.is_recording() and not attr.is_error(span):
-                span.set_attributes(extract(args, result))
+            if guard is not None and guard.failures != failures:
+                error_type = guard.last_error_type  # a failure or skip isolation answered: no result to describe
+            elif extract is not None:
+                attributes = {**attributes, **extract(args, result)}
             return result
         finally:
-            detach(token)
-            span.end()
-
-    def _emit(
-        self, name: str, base: Mapping[str, Any], requests: Iterable[TracedRequest], start: int, end: int,
-        failure: Exception | None,
-    ) -> None:
-        for request in requests:
-            span = self._tracer.start_span(
-                name, context=self._step_contexts[request.request_id],
-                attributes={**base, attr.REQUEST_ID: request.request_id}, start_time=start,
-            )
-            if failure is not None:
-                attr.mark_error(span, failure)
-            span.end(end_time=end)
+            end = time_ns()
+            CURRENT_CALL.reset(token)
+            self._events = outer_events
+            self._records.append(SpanRecord(name, trace_id, span_id, parent_id, start, end, attributes, error_type,
+                                            (), tuple(events)))
 
     def _loaded_by(self, index: int) -> Callable[[], list[TracedRequest]]:
         return lambda: [request for request in self._step if self._step_loaders.get(request.request_id) == index]
@@ -212,40 +242,53 @@ class PipelineTracer:
 
     # ---- scheduler side ----
 
-    def _request_span(self, request: Request) -> _RequestSpan:
-        """The request's span, started the first time a child is asked about it."""
-        if (entry := self._requests.get(request.request_id)) is not None:
-            return entry
-        parent = _PROPAGATOR.extract(request.trace_headers) if request.trace_headers else None
-        span = self._tracer.start_span(
-            "kvcompose.request", context=parent,
-            attributes={attr.REQUEST_ID: request.request_id, attr.PIPELINE: self._pipeline, attr.ROLE: self._role},
-        )
-        context = trace.set_span_in_context(span)
-        carrier: dict[str, str] = {}
-        if span.is_recording():
-            _PROPAGATOR.inject(carrier, context)
-        entry = self._requests[request.request_id] = _RequestSpan(span, context, carrier.get("traceparent"))
+    def _request_span(self, request: Request) -> _RequestSpan | None:
+        """The request's span (None when not sampled), started the first time a child is asked about it."""
+        req_id = request.request_id
+        try:
+            return self._requests[req_id]
+        except KeyError:
+            pass
+        parent = parse_traceparent((request.trace_headers or {}).get("traceparent"))
+        trace_id, parent_id, parent_sampled = parent if parent is not None else (IDS.trace_id(), 0, None)
+        entry = None
+        if self._sampling.sampled(trace_id, parent_sampled):
+            entry = _RequestSpan(trace_id, IDS.span_id(), parent_id, time_ns())
+        self._requests[req_id] = entry
         return entry
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request, saves_async: bool = False) -> None:
         """End the request's span (after every child was told it finished)."""
-        if (entry := self._requests.pop(request.request_id, None)) is not None:
-            entry.span.end()
+        req_id = request.request_id
+        entry = self._requests.pop(req_id, None)
+        loader = self._loaders.pop(req_id, None)
+        if entry is None:
+            return
+        attributes = {attr.REQUEST_ID: req_id, attr.PIPELINE: self._pipeline, attr.ROLE: self._role}
+        if loader is not None:
+            attributes[attr.LOADED_BY] = loader
+        self._records.append(SpanRecord("kvcompose.request", entry.trace_id, entry.span_id, entry.parent_id,
+                                        entry.start_ns, time_ns(), attributes))
+        if saves_async:
+            self._finished_async[req_id] = entry.traceparent
+        if not self._requests:  # an idle engine schedules no step that would ship these
+            self.flush()
 
     def step_requests(
         self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None
     ) -> tuple[TracedRequest, ...] | None:
-        """The sampled requests whose KV the step being scheduled moves (new or
-        loading), for the workers."""
+        """The sampled requests whose KV the step being scheduled moves (new, loading, or finished
+        with saves still running), for the workers. Ships the records of the step just ended."""
+        self.flush()
         new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
-        ids = new_ids | set(loads or ())
-        traced = tuple(
+        traced = [
             TracedRequest(req_id, entry.traceparent, req_id in new_ids)
-            for req_id in ids
-            if (entry := self._requests.get(req_id)) is not None and entry.traceparent is not None
-        )
-        return traced or None
+            for req_id in new_ids | set(loads or ())
+            if (entry := self._requests.get(req_id)) is not None
+        ]
+        traced += [TracedRequest(req_id, parent, False) for req_id, parent in self._finished_async.items()]
+        self._finished_async.clear()
+        return tuple(traced) or None
 
     # ---- worker side ----
 
@@ -255,43 +298,80 @@ class PipelineTracer:
             return
         self._step = requests
         self._step_loaders = {req_id: plan.child for req_id, plan in (loads or {}).items()}
-        self._step_contexts = {r.request_id: _PROPAGATOR.extract({"traceparent": r.traceparent}) for r in requests}
+        for request in requests:
+            parsed = parse_traceparent(request.traceparent)
+            if parsed is not None:
+                self._step_contexts[request.request_id] = SpanContextIds(parsed[0], parsed[1])
         if self._step_spans:
-            links = [Link(trace.get_current_span(ctx).get_span_context()) for ctx in self._step_contexts.values()]
-            self._step_span = self._tracer.start_span(
-                "kvcompose.step", links=links, attributes={attr.ROLE: self._role, attr.REQUESTS: len(requests)}
-            )
-            self._step_context = trace.set_span_in_context(self._step_span)
+            self._step_span = SpanContextIds(IDS.trace_id(), IDS.span_id())
+            self._step_start = time_ns()
 
     def end_step(self) -> None:
-        if self._step_span is not None:
-            self._step_span.end()
+        if (step := self._step_span) is not None:
+            links = tuple((context.trace_id, context.span_id) for context in self._step_contexts.values())
+            self._records.append(SpanRecord(
+                "kvcompose.step", step.trace_id, step.span_id, 0, self._step_start, time_ns(),
+                {attr.ROLE: self._role, attr.REQUESTS: len(self._step)}, None, links,
+            ))
         self._step, self._step_loaders, self._step_contexts = (), {}, {}
-        self._step_span, self._step_context = None, None
+        self._step_span = None
+        self.flush()
+
+    def request_context(self, req_id: str) -> SpanContextIds | None:
+        """Worker side: the span context of a traced request in the bound step."""
+        return self._step_contexts.get(req_id)
+
+    def transfer(
+        self, context: SpanContextIds, spec: ChildSpec, direction: str, start_ns: int, end_ns: int,
+        blocks: int, nbytes: int, outcome: str,
+    ) -> None:
+        """A ``kvcompose.transfer`` span: one request, one child, one direction, start to completion."""
+        self._records.append(SpanRecord(
+            "kvcompose.transfer", context.trace_id, IDS.span_id(), context.span_id, start_ns, end_ns,
+            {attr.CONNECTOR_NAME: spec.name, attr.CONNECTOR_INDEX: spec.index, attr.CONNECTOR_CLASS: spec.class_name,
+             attr.ROLE: self._role, attr.TRANSFER_DIRECTION: direction, attr.TRANSFER_BLOCKS: blocks,
+             attr.TRANSFER_BYTES: nbytes, attr.TRANSFER_OUTCOME: outcome},
+            None if outcome == "ok" else f"kvcompose.transfer_{outcome}",
+        ))
 
     def breaker_changed(self, connector: str, state: str) -> None:
-        """A ``kvcompose.circuit_breaker`` event on the current span, or on a span of its own
-        when the change happens outside a traced call."""
+        """A ``kvcompose.circuit_breaker`` event on the traced call running now, or on a span of its own."""
         attributes = {attr.CONNECTOR_NAME: connector, "state": state}
-        span = trace.get_current_span()
-        if span.is_recording():
-            span.add_event("kvcompose.circuit_breaker", attributes)
+        now = time_ns()
+        if self._events is not None:
+            self._events.append(("kvcompose.circuit_breaker", now, attributes))
             return
-        own = self._tracer.start_span("kvcompose.circuit_breaker", attributes={**attributes, attr.ROLE: self._role})
-        own.add_event("kvcompose.circuit_breaker", attributes)
-        own.end()
+        trace_id = IDS.trace_id()
+        if self._sampling.sampled(trace_id, None):
+            self._records.append(SpanRecord(
+                "kvcompose.circuit_breaker", trace_id, IDS.span_id(), 0, now, now,
+                {**attributes, attr.ROLE: self._role}, None, (), (("kvcompose.circuit_breaker", now, attributes),),
+            ))
+
+    def flush(self) -> None:
+        if self._records:
+            records, self._records = self._records, []
+            self._shipper.ship(records)
+
+    def telemetry(self) -> tuple[int, int]:
+        """(spans dropped since the last call, spans waiting for export)."""
+        return self._shipper.telemetry()
 
     def close(self) -> None:
         """End what is still open and export it (engine shutting down)."""
-        for entry in self._requests.values():
-            entry.span.end()
-        self._requests.clear()
+        for req_id in list(self._requests):
+            entry = self._requests.pop(req_id)
+            if entry is not None:
+                self._records.append(SpanRecord(
+                    "kvcompose.request", entry.trace_id, entry.span_id, entry.parent_id, entry.start_ns, time_ns(),
+                    {attr.REQUEST_ID: req_id, attr.PIPELINE: self._pipeline, attr.ROLE: self._role}))
+        self._loaders.clear()
         self.end_step()
-        self._flush()
+        self._shipper.close()
 
     @property
     def open_requests(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._loaders) + len(self._finished_async)
 
 
 class NoTracing:
@@ -299,10 +379,12 @@ class NoTracing:
 
     open_requests = 0
 
-    def wrap(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(
+        self, spec: ChildSpec, operation: str, call: Callable[..., Any], guard: ChildGuard | None = None
+    ) -> Callable[..., Any]:
         return call
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request, saves_async: bool = False) -> None:
         pass
 
     def step_requests(self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None) -> None:
@@ -314,8 +396,17 @@ class NoTracing:
     def end_step(self) -> None:
         pass
 
+    def request_context(self, req_id: str) -> None:
+        return None
+
     def breaker_changed(self, connector: str, state: str) -> None:
         pass
+
+    def flush(self) -> None:
+        pass
+
+    def telemetry(self) -> tuple[int, int]:
+        return 0, 0
 
     def close(self) -> None:
         pass
@@ -327,8 +418,6 @@ def pipeline_tracer(pipeline: Pipeline, role: str) -> PipelineTracer | NoTracing
         return NoTracing()
     from kvcompose import __version__
 
-    provider = provider_for(pipeline.tracing)
-    return PipelineTracer(
-        provider.get_tracer("kvcompose", __version__), pipeline, role,
-        flush=lambda: provider.force_flush(SHUTDOWN_FLUSH_MS),
-    )
+    return PipelineTracer(shipper_for(pipeline.tracing, __version__), sampling_for(pipeline.tracing.sample_ratio),
+                          pipeline, role)
+

@@ -1,0 +1,92 @@
+"""Span records leave the engine process: the exporter process, its bounds and its counts; sampling settings."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import pytest
+
+from kvcompose.config import TracingSection
+from kvcompose.tracing.records import IDS, SpanRecord
+from kvcompose.tracing.sampling import Sampling, sampling_for
+from kvcompose.tracing.shipping import ProcessShipper
+
+from .otlp_support import start_receiver
+
+
+def _records(count: int, trace_id: int) -> list[SpanRecord]:
+    now = time.time_ns()
+    return [SpanRecord("kvcompose.lookup", trace_id, IDS.span_id(), 7, now, now + 1000,
+                       {"kvcompose.connector.name": "hot", "kvcompose.tokens.matched": i}) for i in range(count)]
+
+
+def _wait_for(condition: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def test_the_exporter_process_exports_records_as_spans_with_their_ids() -> None:
+    receiver = start_receiver()
+    try:
+        shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint, service_name="svc"), "0")
+        trace_id = IDS.trace_id()
+        sent = _records(3, trace_id)
+        shipper.ship(sent)
+        shipper.close()  # end of input: it flushes, then exits
+        received = receiver.received()
+    finally:
+        receiver.stop()
+
+    assert sorted(int(span.span_id, 16) for span in received) == sorted(record.span_id for record in sent)
+    assert {(span.service, span.trace_id, span.parent_span_id) for span in received} == {
+        ("svc", format(trace_id, "032x"), format(7, "016x"))}
+    assert sorted(span.attributes["kvcompose.tokens.matched"] for span in received) == [0, 1, 2]
+
+
+def test_a_collector_outage_drops_and_counts_with_bounded_memory() -> None:
+    with socket.socket() as probe:  # a port with nothing listening
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    shipper = ProcessShipper(TracingSection(enabled=True, endpoint=f"http://127.0.0.1:{port}"), "0")
+    try:
+        for _ in range(40):
+            shipper.ship(_records(500, IDS.trace_id()))  # 20,000 spans, 5x the exporter's queue
+        dropped = 0
+
+        def counted() -> bool:
+            nonlocal dropped
+            gained, queued = shipper.telemetry()
+            dropped += gained
+            return dropped >= 20_000 - 4096 and queued <= 4096
+
+        _wait_for(counted)
+    finally:
+        shipper.close()
+
+
+@pytest.mark.parametrize(("ratio", "environ", "expected"), [
+    (0.25, {"OTEL_TRACES_SAMPLER": "always_off"}, Sampling(True, 0.25)),  # the pipeline's ratio wins
+    (None, {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"},
+     Sampling(True, 0.1)),
+    (None, {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.3"}, Sampling(False, 0.3)),
+    (None, {"OTEL_TRACES_SAMPLER": "always_off"}, Sampling(False, 0.0)),
+    (None, {}, Sampling(True, 1.0)),
+    (None, {"OTEL_TRACES_SAMPLER": "jaeger_remote"}, Sampling(True, 1.0)),  # unsupported: warned, all traced
+    (None, {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, Sampling(False, 1.0)),
+])
+def test_sampling_settings(ratio: float | None, environ: dict[str, str], expected: Sampling) -> None:
+    assert sampling_for(ratio, environ) == expected
+
+
+def test_sampling_follows_the_caller_and_the_ratio_on_trace_ids() -> None:
+    half = Sampling(parent_based=True, root_ratio=0.5)
+    assert half.sampled(trace_id=(1 << 64) - 1, parent_sampled=True)
+    assert not half.sampled(trace_id=0, parent_sampled=False)
+    kept = sum(half.sampled(IDS.trace_id(), None) for _ in range(4000))
+    assert 1700 < kept < 2300
+    assert not Sampling(parent_based=False, root_ratio=0.0).sampled(1, parent_sampled=True)
