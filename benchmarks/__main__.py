@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("hot_path", "stats_merge", "end_to_end")
+PARTS = ("hot_path", "request_cost", "stats_merge", "end_to_end")
 
 
 def machine() -> dict[str, Any]:
@@ -34,7 +34,7 @@ def machine() -> dict[str, Any]:
 
 
 def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
-    from benchmarks import end_to_end, hot_path, stats_merge, targets
+    from benchmarks import end_to_end, hot_path, request_cost, stats_merge, targets
 
     result: dict[str, Any] = {"machine": machine()}
     sections, checks = [], []
@@ -42,6 +42,11 @@ def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
         result["hot_path"] = rows = hot_path.measure()
         sections.append("### Hot path (ns per call; kvcompose as a ratio to MultiConnector)\n\n" + hot_path.table(rows))
         checks += targets.hot_path_checks(rows)
+    if "request_cost" in parts:
+        result["request_cost"] = costs = request_cost.measure()
+        sections.append("### Engine-process CPU per request, every request traced (OTLP export)\n\n"
+                        + request_cost.table(costs))
+        checks += targets.request_cost_checks(costs)
     if "stats_merge" in parts:
         result["stats_merge"] = merged = stats_merge.measure()
         sections.append("### Stats\n\n" + stats_merge.table(merged))

@@ -43,3 +43,18 @@ class OtlpSink:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def main() -> None:
+    """Serve in a process of its own: print the endpoint, run until stdin closes, then print the counts."""
+    import sys
+
+    sink = OtlpSink()
+    print(sink.endpoint, flush=True)
+    sys.stdin.read()
+    sink.stop()
+    print(f"{sink.exports} {sink.bytes}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,8 @@ UNREACHABLE_MIN_VS_OFF = 0.95  # tokens/s exporting to a closed port / tracing o
 # most 4096 spans (provider.MAX_QUEUED_SPANS), a few KiB each.
 UNREACHABLE_MAX_EXTRA_RSS_MIB = 32.0
 MERGE_MAX_MS = 1.0
+# Extra engine-process CPU per request, every request traced and exported, by child count.
+TRACED_REQUEST_MAX_EXTRA_US = {2: 50.0, 8: 100.0}
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,16 @@ def hot_path_checks(rows: list[dict[str, Any]]) -> list[Check]:
         Check(f"{row['op']}, {row['children']} children: kvcompose (tracing off) <= "
               f"{HOT_PATH_MAX_VS_MULTI}x MultiConnector",
               f"{row['vs_multi']['kvc_off']:.2f}x", row["vs_multi"]["kvc_off"] <= HOT_PATH_MAX_VS_MULTI)
+        for row in rows
+    ]
+
+
+def request_cost_checks(rows: list[dict[str, Any]]) -> list[Check]:
+    return [
+        Check(f"engine CPU per request, every request traced (OTLP), {row['children']} children: <= "
+              f"{TRACED_REQUEST_MAX_EXTRA_US[row['children']]:.0f} us over MultiConnector",
+              f"{row['extra_us']['kvc_traced']:+.1f} us", row["extra_us"]["kvc_traced"]
+              <= TRACED_REQUEST_MAX_EXTRA_US[row["children"]])
         for row in rows
     ]
 

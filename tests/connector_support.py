@@ -24,12 +24,15 @@ def make_blocks(*block_ids: int) -> Any:
     return KVCacheBlocks(([KVCacheBlock(i) for i in block_ids],))
 
 
-def scheduler_output(new: list[Any] = (), cached: list[str] = ()) -> Any:  # type: ignore[assignment]
-    """A SchedulerOutput scheduling ``new`` requests for the first time and ``cached`` ones again."""
+def scheduler_output(
+    new: list[Any] = (), cached: list[str] = (), blocks: list[int] = ()  # type: ignore[assignment]
+) -> Any:
+    """A SchedulerOutput scheduling ``new`` requests (each with ``blocks``) for the first time and ``cached`` ones
+    again."""
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
     output = SchedulerOutput.make_empty()
-    output.scheduled_new_reqs = [NewRequestData.from_request(request, ([],)) for request in new]
+    output.scheduled_new_reqs = [NewRequestData.from_request(request, (list(blocks),)) for request in new]
     output.scheduled_cached_reqs.req_ids = list(cached)
     return output
 

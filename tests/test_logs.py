@@ -28,11 +28,11 @@ def captured() -> Iterator[io.StringIO]:
 
 def test_json_line_inside_a_traced_child_call_carries_trace_ids_and_child(captured: io.StringIO) -> None:
     configure_logging(LoggingSection(format="json", level="INFO"))
-    token = CURRENT_CALL.set((0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, "hot"))
+    CURRENT_CALL.ids = (0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, "hot")
     try:
         get_logger("test").warning("child call failed", error_type="OSError", request_id="r1")
     finally:
-        CURRENT_CALL.reset(token)
+        CURRENT_CALL.ids = None
 
     line = json.loads(captured.getvalue())
     assert line["event"] == "child call failed"

@@ -16,10 +16,11 @@ from kvcompose.tracing.shipping import ProcessShipper
 from .otlp_support import start_receiver
 
 
-def _records(count: int, trace_id: int) -> list[SpanRecord]:
+def _records(shipper: ProcessShipper, count: int, trace_id: int) -> list[tuple]:
+    template = shipper.templates.register("kvcompose.lookup", {"kvcompose.connector.name": "hot"},
+                                          ("kvcompose.tokens.matched",))
     now = time.time_ns()
-    return [SpanRecord("kvcompose.lookup", trace_id, IDS.span_id(), 7, now, now + 1000,
-                       {"kvcompose.connector.name": "hot", "kvcompose.tokens.matched": i}) for i in range(count)]
+    return [tuple(SpanRecord(template, trace_id, IDS.span_id(), 7, now, now + 1000, "r1", (i,))) for i in range(count)]
 
 
 def _wait_for(condition: Any, timeout_s: float = 20.0) -> None:
@@ -35,17 +36,19 @@ def test_the_exporter_process_exports_records_as_spans_with_their_ids() -> None:
     try:
         shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint, service_name="svc"), "0")
         trace_id = IDS.trace_id()
-        sent = _records(3, trace_id)
+        sent = _records(shipper, 3, trace_id)
         shipper.ship(sent)
         shipper.close()  # end of input: it flushes, then exits
         received = receiver.received()
     finally:
         receiver.stop()
 
-    assert sorted(int(span.span_id, 16) for span in received) == sorted(record.span_id for record in sent)
+    assert sorted(int(span.span_id, 16) for span in received) == sorted(SpanRecord(*record).span_id for record in sent)
     assert {(span.service, span.trace_id, span.parent_span_id) for span in received} == {
         ("svc", format(trace_id, "032x"), format(7, "016x"))}
     assert sorted(span.attributes["kvcompose.tokens.matched"] for span in received) == [0, 1, 2]
+    assert {(span.name, span.attributes["gen_ai.request.id"], span.attributes["kvcompose.connector.name"])
+            for span in received} == {("kvcompose.lookup", "r1", "hot")}
 
 
 def test_a_collector_outage_drops_and_counts_with_bounded_memory() -> None:
@@ -55,7 +58,7 @@ def test_a_collector_outage_drops_and_counts_with_bounded_memory() -> None:
     shipper = ProcessShipper(TracingSection(enabled=True, endpoint=f"http://127.0.0.1:{port}"), "0")
     try:
         for _ in range(40):
-            shipper.ship(_records(500, IDS.trace_id()))  # 20,000 spans, 5x the exporter's queue
+            shipper.ship(_records(shipper, 500, IDS.trace_id()))  # 20,000 spans, 5x the exporter's queue
         dropped = 0
 
         def counted() -> bool:
@@ -90,3 +93,22 @@ def test_sampling_follows_the_caller_and_the_ratio_on_trace_ids() -> None:
     kept = sum(half.sampled(IDS.trace_id(), None) for _ in range(4000))
     assert 1700 < kept < 2300
     assert not Sampling(parent_based=False, root_ratio=0.0).sampled(1, parent_sampled=True)
+
+
+def test_the_ring_keeps_frames_in_order_across_its_end_and_refuses_what_does_not_fit(tmp_path: Any) -> None:
+    from kvcompose.tracing.ring import Ring
+
+    writer = Ring.create(str(tmp_path), data_bytes=256)
+    reader = Ring.attach(writer.path)
+    sent = []
+    for round_index in range(20):  # 20 x ~100 bytes through 256: wraps many times
+        frame = [round_index, "x" * 80]
+        assert writer.append(frame)
+        sent.append(frame)
+        assert reader.take() == [frame]
+    assert writer.append(["y" * 120]) and not writer.append(["z" * 120])  # the second has no room
+    assert reader.take() == [["y" * 120]]
+    assert writer.append(["z" * 120])
+    assert reader.take() == [["z" * 120]]
+    writer.close()
+    reader.close()

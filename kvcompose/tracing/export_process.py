@@ -2,49 +2,35 @@
 
 Started by :class:`kvcompose.tracing.shipping.ProcessShipper`, one per engine
 process that traces, so that building and encoding spans (most of tracing's
-cost) never runs on the engine's CPU. Protocol:
-
-- stdin: frames of a 4-byte big-endian length and a ``marshal`` payload. The
-  first frame is the settings (``{"service_name", "exporter", "endpoint",
-  "version"}``), every later one a list of :class:`SpanRecord` tuples.
-- stdout: one line ``"<dropped> <queued>\\n"`` a second: spans dropped so far
-  (queue full or export failed) and spans waiting for export.
+cost) never runs on the engine's CPU. It polls the engine's :class:`Ring`
+(its path is the one argument): the first frame holds the settings
+(``service_name``, ``exporter``, ``endpoint``, ``version``), every later one
+is ``("t", [span templates])`` or ``("r", [span records])`` (see
+:mod:`kvcompose.tracing.records`). It writes the spans it dropped (queue full
+or export failed) and those waiting for export into the ring's counters.
 
 Spans wait in a bounded queue (:data:`MAX_QUEUED_SPANS`); an unreachable
-collector makes it drop and count, never grow. At end of input the queue is
-flushed for at most :data:`SHUTDOWN_FLUSH_S`.
+collector makes it drop and count, never grow. When the engine closes the ring
+(or dies), the queue is flushed for at most :data:`SHUTDOWN_FLUSH_S`.
 """
 
 from __future__ import annotations
 
-import marshal
-import struct
+import os
 import sys
 import threading
 import time
 from collections import deque
-from typing import Any, BinaryIO
+from typing import Any
+
+from kvcompose.tracing.ring import CLOSED, DROPPED, QUEUED, Ring
 
 MAX_QUEUED_SPANS = 4096
 EXPORT_BATCH = 512
 EXPORT_INTERVAL_S = 0.5
+POLL_S = 0.1
 SHUTDOWN_FLUSH_S = 2.0
-FRAME_HEADER = struct.Struct(">I")
-
-
-def read_frame(stream: BinaryIO) -> Any | None:
-    """The next frame's value, or None at end of input."""
-    header = stream.read(FRAME_HEADER.size)
-    if len(header) < FRAME_HEADER.size:
-        return None
-    (size,) = FRAME_HEADER.unpack(header)
-    payload = stream.read(size)
-    return marshal.loads(payload) if len(payload) == size else None
-
-
-def encode_frame(value: Any) -> bytes:
-    payload = marshal.dumps(value)
-    return FRAME_HEADER.pack(len(payload)) + payload
+TEMPLATES_FRAME, RECORDS_FRAME = "t", "r"
 
 
 class _Exporting:
@@ -105,34 +91,37 @@ class _Exporting:
         self._exporter.shutdown()
 
 
-def _report(exporting: _Exporting, stop: threading.Event) -> None:
-    while not stop.wait(1.0):
-        try:
-            sys.stdout.write(f"{exporting.dropped} {exporting.queued}\n")
-            sys.stdout.flush()
-        except (BrokenPipeError, ValueError):
-            return
-
-
 def main() -> None:
     from kvcompose.tracing.exporters import span_exporter
     from kvcompose.tracing.records import resource_for, to_readable_spans
 
-    stdin = sys.stdin.buffer
-    settings = read_frame(stdin)
-    if settings is None:
-        return
-    exporter = span_exporter(settings["exporter"], settings["endpoint"])
-    if exporter is None:
-        return
-    resource = resource_for(settings["service_name"])
-    exporting = _Exporting(exporter)
-    stop = threading.Event()
-    threading.Thread(target=_report, args=(exporting, stop), daemon=True).start()
-    while (records := read_frame(stdin)) is not None:
-        exporting.add(to_readable_spans(records, resource, settings["version"]))
-    stop.set()
-    exporting.close()
+    ring = Ring.attach(sys.argv[1])
+    engine = os.getppid()
+    settings: dict[str, Any] | None = None
+    exporting: _Exporting | None = None
+    templates: list[Any] = []
+    while True:
+        closing = ring.counter(CLOSED) or os.getppid() != engine
+        for frame in ring.take():
+            if settings is None:
+                settings = frame
+                exporter = span_exporter(settings["exporter"], settings["endpoint"])
+                if exporter is None:
+                    return
+                resource = resource_for(settings["service_name"])
+                exporting = _Exporting(exporter)
+            elif frame[0] == TEMPLATES_FRAME:
+                templates += frame[1]
+            elif exporting is not None:
+                exporting.add(to_readable_spans(frame[1], templates, resource, settings["version"]))
+        if exporting is not None:
+            ring.set_counter(DROPPED, exporting.dropped)
+            ring.set_counter(QUEUED, exporting.queued)
+        if closing:
+            break
+        time.sleep(POLL_S)
+    if exporting is not None:
+        exporting.close()
 
 
 if __name__ == "__main__":

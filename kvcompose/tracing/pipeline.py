@@ -56,7 +56,7 @@ REQUEST_OPERATIONS = frozenset({
 STEP_OPERATIONS = frozenset({"start_load_kv", "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors"})
 LAYER_OPERATIONS = frozenset({"save_kv_layer", "wait_for_layer_load"})
 
-Extract = Callable[[tuple[Any, ...], Any], Mapping[str, Any]]
+Extract = Callable[[tuple[Any, ...], Any], tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,17 @@ class PipelineTracer:
     def __init__(self, shipper: SpanShipper, sampling: Sampling, pipeline: Pipeline, role: str) -> None:
         self._shipper = shipper
         self._sampling = sampling
-        self._pipeline = pipeline.name
         self._role = role
         self._step_spans = pipeline.tracing.granularity in ("step", "layer")
         self._layer_spans = pipeline.tracing.granularity == "layer"
         self._records: list[SpanRecord] = []
+        templates = shipper.templates
+        self._request_template = templates.register("kvcompose.request", {attr.PIPELINE: pipeline.name,
+                                                                          attr.ROLE: role}, (attr.LOADED_BY,))
+        self._step_template = templates.register("kvcompose.step", {attr.ROLE: role}, (attr.REQUESTS,))
+        self._breaker_template = templates.register("kvcompose.circuit_breaker", {attr.ROLE: role},
+                                                    (attr.CONNECTOR_NAME, "state"))
+        self._transfer_templates: dict[int, int] = {}  # child index -> template of its transfer spans
         self._events: list[tuple[str, int, Mapping[str, Any]]] | None = None  # of the traced call running now
         # Scheduler side: every request seen, None when not sampled.
         self._requests: dict[str, _RequestSpan | None] = {}
@@ -112,6 +118,7 @@ class PipelineTracer:
         self._step: tuple[TracedRequest, ...] = ()
         self._step_loaders: dict[str, int] = {}  # request id -> index of the child loading it
         self._step_contexts: dict[str, SpanContextIds] = {}
+        self._live: dict[str, SpanContextIds] = {}  # traced requests seen and not yet finished
         self._step_span: SpanContextIds | None = None
         self._step_start = 0
 
@@ -122,40 +129,42 @@ class PipelineTracer:
     ) -> Callable[..., Any]:
         """``call`` traced; ``guard`` is the child's error isolation inside the span (it tells of failures
         it answered for)."""
-        base = {
-            attr.CONNECTOR_NAME: spec.name,
-            attr.CONNECTOR_INDEX: spec.index,
-            attr.CONNECTOR_CLASS: spec.class_name,
-            attr.ROLE: self._role,
-        }
-        name = attr.span_name(OPERATION_LABELS.get(operation, operation))
-        extract = attr.RESULT_ATTRIBUTES.get(operation)
+        base = self._child_attributes(spec)
+        keys, extract = attr.RESULT_ATTRIBUTES.get(operation, ((), None))
+        template = self._shipper.templates.register(
+            attr.span_name(OPERATION_LABELS.get(operation, operation)), base, keys)
         if operation in REQUEST_OPERATIONS:
-            return self._request_call(spec, operation, name, base, extract, guard, call)
+            return self._request_call(spec, operation, template, extract, guard, call)
         if operation in STEP_OPERATIONS or operation in LAYER_OPERATIONS:
             traced = call
             if self._step_spans and (operation in STEP_OPERATIONS or self._layer_spans):
-                traced = self._step_call(name, base, extract, guard, call)
+                traced = self._step_call(template, extract, guard, call)
             if operation == "start_load_kv":
-                return self._per_request_call("kvcompose.load", base, self._loaded_by(spec.index), guard, traced)
+                load = self._shipper.templates.register("kvcompose.load", base)
+                return self._per_request_call(load, self._loaded_by(spec.index), guard, traced)
             if operation == "wait_for_save":
-                return self._per_request_call("kvcompose.save", base, self._new_requests, guard, traced)
+                save = self._shipper.templates.register("kvcompose.save", base)
+                return self._per_request_call(save, self._new_requests, guard, traced)
             return traced
         return call
 
+    def _child_attributes(self, spec: ChildSpec) -> dict[str, Any]:
+        return {attr.CONNECTOR_NAME: spec.name, attr.CONNECTOR_INDEX: spec.index,
+                attr.CONNECTOR_CLASS: spec.class_name, attr.ROLE: self._role}
+
     def _request_call(
-        self, spec: ChildSpec, operation: str, name: str, base: Mapping[str, Any], extract: Extract | None,
+        self, spec: ChildSpec, operation: str, template: int, extract: Extract | None,
         guard: ChildGuard | None, call: Callable[..., Any],
     ) -> Callable[..., Any]:
         note_loader = operation == "update_state_after_alloc"
+        name = spec.name
 
         def traced(request: Request, *args: Any, **kwargs: Any) -> Any:
             entry = self._request_span(request)
             if entry is None:
                 return call(request, *args, **kwargs)
-            attributes = {**base, attr.REQUEST_ID: request.request_id}
-            result = self._traced_call(name, entry.trace_id, entry.span_id, attributes, extract, guard, call,
-                                       (request, *args), kwargs)
+            result = self._traced_call(template, name, entry.trace_id, entry.span_id, request.request_id, extract,
+                                       guard, call, (request, *args), kwargs)
             if note_loader and args[1] > 0:
                 self._loaders[request.request_id] = spec.name
             return result
@@ -163,19 +172,21 @@ class PipelineTracer:
         return traced
 
     def _step_call(
-        self, name: str, base: Mapping[str, Any], extract: Extract | None, guard: ChildGuard | None,
-        call: Callable[..., Any],
+        self, template: int, extract: Extract | None, guard: ChildGuard | None, call: Callable[..., Any],
     ) -> Callable[..., Any]:
+        name = self._shipper.templates.all[template].attributes[attr.CONNECTOR_NAME]
+
         def traced(*args: Any, **kwargs: Any) -> Any:
             if (step := self._step_span) is None:
                 return call(*args, **kwargs)
-            return self._traced_call(name, step.trace_id, step.span_id, base, extract, guard, call, args, kwargs)
+            return self._traced_call(template, name, step.trace_id, step.span_id, None, extract, guard, call, args,
+                                     kwargs)
 
         return traced
 
     def _per_request_call(
-        self, name: str, base: Mapping[str, Any], select: Callable[[], list[TracedRequest]],
-        guard: ChildGuard | None, call: Callable[..., Any],
+        self, template: int, select: Callable[[], list[TracedRequest]], guard: ChildGuard | None,
+        call: Callable[..., Any],
     ) -> Callable[..., Any]:
         """One span per selected request, timed by this call, in that request's trace."""
 
@@ -196,16 +207,15 @@ class PipelineTracer:
                     error_type = guard.last_error_type
                 for request in requests:
                     parent = self._step_contexts[request.request_id]
-                    self._records.append(SpanRecord(
-                        name, parent.trace_id, IDS.span_id(), parent.span_id, start, end,
-                        {**base, attr.REQUEST_ID: request.request_id}, error_type,
-                    ))
+                    self._records.append((template, parent.trace_id, IDS.span_id(), parent.span_id, start, end,
+                                          request.request_id, None, error_type, (), ()))
 
         return traced
 
     def _traced_call(
-        self, name: str, trace_id: int, parent_id: int, attributes: Mapping[str, Any], extract: Extract | None,
-        guard: ChildGuard | None, call: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
+        self, template: int, child_name: str, trace_id: int, parent_id: int, request_id: str | None,
+        extract: Extract | None, guard: ChildGuard | None, call: Callable[..., Any], args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
     ) -> Any:
         """Run ``call`` as a span under ``parent_id``: its timing, its failure (raised, or answered by
         ``guard``), what its result says, and breaker events that happen during it."""
@@ -213,9 +223,9 @@ class PipelineTracer:
         failures = guard.failures if guard is not None else 0
         events: list[tuple[str, int, Mapping[str, Any]]] = []
         outer_events, self._events = self._events, events
-        token = CURRENT_CALL.set((trace_id, span_id, attributes[attr.CONNECTOR_NAME]))
+        outer_call, CURRENT_CALL.ids = CURRENT_CALL.ids, (trace_id, span_id, child_name)
         start = time_ns()
-        error_type = None
+        error_type = values = None
         try:
             result = call(*args, **kwargs)
         except Exception as error:
@@ -225,14 +235,14 @@ class PipelineTracer:
             if guard is not None and guard.failures != failures:
                 error_type = guard.last_error_type  # a failure or skip isolation answered: no result to describe
             elif extract is not None:
-                attributes = {**attributes, **extract(args, result)}
+                values = extract(args, result)
             return result
         finally:
             end = time_ns()
-            CURRENT_CALL.reset(token)
+            CURRENT_CALL.ids = outer_call
             self._events = outer_events
-            self._records.append(SpanRecord(name, trace_id, span_id, parent_id, start, end, attributes, error_type,
-                                            (), tuple(events)))
+            self._records.append((template, trace_id, span_id, parent_id, start, end, request_id, values, error_type,
+                                  (), tuple(events)))
 
     def _loaded_by(self, index: int) -> Callable[[], list[TracedRequest]]:
         return lambda: [request for request in self._step if self._step_loaders.get(request.request_id) == index]
@@ -264,11 +274,8 @@ class PipelineTracer:
         loader = self._loaders.pop(req_id, None)
         if entry is None:
             return
-        attributes = {attr.REQUEST_ID: req_id, attr.PIPELINE: self._pipeline, attr.ROLE: self._role}
-        if loader is not None:
-            attributes[attr.LOADED_BY] = loader
-        self._records.append(SpanRecord("kvcompose.request", entry.trace_id, entry.span_id, entry.parent_id,
-                                        entry.start_ns, time_ns(), attributes))
+        self._records.append((self._request_template, entry.trace_id, entry.span_id, entry.parent_id, entry.start_ns,
+                              time_ns(), req_id, (loader,), None, (), ()))
         if saves_async:
             self._finished_async[req_id] = entry.traceparent
         if not self._requests:  # an idle engine schedules no step that would ship these
@@ -301,7 +308,8 @@ class PipelineTracer:
         for request in requests:
             parsed = parse_traceparent(request.traceparent)
             if parsed is not None:
-                self._step_contexts[request.request_id] = SpanContextIds(parsed[0], parsed[1])
+                context = SpanContextIds(parsed[0], parsed[1])
+                self._step_contexts[request.request_id] = self._live[request.request_id] = context
         if self._step_spans:
             self._step_span = SpanContextIds(IDS.trace_id(), IDS.span_id())
             self._step_start = time_ns()
@@ -309,30 +317,33 @@ class PipelineTracer:
     def end_step(self) -> None:
         if (step := self._step_span) is not None:
             links = tuple((context.trace_id, context.span_id) for context in self._step_contexts.values())
-            self._records.append(SpanRecord(
-                "kvcompose.step", step.trace_id, step.span_id, 0, self._step_start, time_ns(),
-                {attr.ROLE: self._role, attr.REQUESTS: len(self._step)}, None, links,
-            ))
+            self._records.append((self._step_template, step.trace_id, step.span_id, 0, self._step_start, time_ns(),
+                                  None, (len(self._step),), None, links, ()))
         self._step, self._step_loaders, self._step_contexts = (), {}, {}
         self._step_span = None
         self.flush()
 
     def request_context(self, req_id: str) -> SpanContextIds | None:
-        """Worker side: the span context of a traced request in the bound step."""
-        return self._step_contexts.get(req_id)
+        """Worker side: the span context of a traced request that has not finished."""
+        return self._live.get(req_id)
+
+    def requests_finished(self, req_ids: set[str]) -> None:
+        """Worker side: vLLM finished these requests (transfers still running keep their own context)."""
+        for req_id in req_ids:
+            self._live.pop(req_id, None)
 
     def transfer(
         self, context: SpanContextIds, spec: ChildSpec, direction: str, start_ns: int, end_ns: int,
         blocks: int, nbytes: int, outcome: str,
     ) -> None:
         """A ``kvcompose.transfer`` span: one request, one child, one direction, start to completion."""
-        self._records.append(SpanRecord(
-            "kvcompose.transfer", context.trace_id, IDS.span_id(), context.span_id, start_ns, end_ns,
-            {attr.CONNECTOR_NAME: spec.name, attr.CONNECTOR_INDEX: spec.index, attr.CONNECTOR_CLASS: spec.class_name,
-             attr.ROLE: self._role, attr.TRANSFER_DIRECTION: direction, attr.TRANSFER_BLOCKS: blocks,
-             attr.TRANSFER_BYTES: nbytes, attr.TRANSFER_OUTCOME: outcome},
-            None if outcome == "ok" else f"kvcompose.transfer_{outcome}",
-        ))
+        if (template := self._transfer_templates.get(spec.index)) is None:
+            template = self._transfer_templates[spec.index] = self._shipper.templates.register(
+                "kvcompose.transfer", self._child_attributes(spec),
+                (attr.TRANSFER_DIRECTION, attr.TRANSFER_BLOCKS, attr.TRANSFER_BYTES, attr.TRANSFER_OUTCOME))
+        self._records.append((template, context.trace_id, IDS.span_id(), context.span_id, start_ns, end_ns, None,
+                              (direction, blocks, nbytes, outcome), None if outcome == "ok" else
+                              f"kvcompose.transfer_{outcome}", (), ()))
 
     def breaker_changed(self, connector: str, state: str) -> None:
         """A ``kvcompose.circuit_breaker`` event on the traced call running now, or on a span of its own."""
@@ -343,10 +354,8 @@ class PipelineTracer:
             return
         trace_id = IDS.trace_id()
         if self._sampling.sampled(trace_id, None):
-            self._records.append(SpanRecord(
-                "kvcompose.circuit_breaker", trace_id, IDS.span_id(), 0, now, now,
-                {**attributes, attr.ROLE: self._role}, None, (), (("kvcompose.circuit_breaker", now, attributes),),
-            ))
+            self._records.append((self._breaker_template, trace_id, IDS.span_id(), 0, now, now, None,
+                                  (connector, state), None, (), (("kvcompose.circuit_breaker", now, attributes),)))
 
     def flush(self) -> None:
         if self._records:
@@ -362,16 +371,15 @@ class PipelineTracer:
         for req_id in list(self._requests):
             entry = self._requests.pop(req_id)
             if entry is not None:
-                self._records.append(SpanRecord(
-                    "kvcompose.request", entry.trace_id, entry.span_id, entry.parent_id, entry.start_ns, time_ns(),
-                    {attr.REQUEST_ID: req_id, attr.PIPELINE: self._pipeline, attr.ROLE: self._role}))
+                self._records.append((self._request_template, entry.trace_id, entry.span_id, entry.parent_id,
+                                      entry.start_ns, time_ns(), req_id, (self._loaders.get(req_id),), None, (), ()))
         self._loaders.clear()
         self.end_step()
         self._shipper.close()
 
     @property
     def open_requests(self) -> int:
-        return len(self._requests) + len(self._loaders) + len(self._finished_async)
+        return len(self._requests) + len(self._loaders) + len(self._finished_async) + len(self._live)
 
 
 class NoTracing:
@@ -398,6 +406,9 @@ class NoTracing:
 
     def request_context(self, req_id: str) -> None:
         return None
+
+    def requests_finished(self, req_ids: set[str]) -> None:
+        pass
 
     def breaker_changed(self, connector: str, state: str) -> None:
         pass

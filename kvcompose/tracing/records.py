@@ -1,19 +1,22 @@
 """Span records: what the engine keeps of a span, and how a record becomes an OpenTelemetry span.
 
-On the engine's hot path a span is a plain tuple (:data:`SpanRecord`): names,
-ids, start and end in ns since the epoch, attributes. No OpenTelemetry object
+On the engine's hot path a span is a plain tuple (the fields of
+:class:`SpanRecord`, in order): the id of its :class:`SpanTemplate`, trace
+and span ids, start and end in ns since the epoch, the request id, and the
+values of the template's keys. No OpenTelemetry object and no attribute dict
 is made there; creating and encoding SDK spans costs tens of microseconds
-each on these CPUs. Records are turned into SDK ``ReadableSpan`` objects
-later, in the exporter process (or in-process when a test or an embedder
-supplies its own exporter), with their real timings and the ids the engine
-chose, so parents and links stay exact.
+each on these CPUs. A template (span name, fixed attributes, the names of the
+values) is registered once at start-up and shipped once. Records become SDK
+``ReadableSpan`` objects later, in the exporter process (or in-process when a
+test or an embedder supplies its own exporter), with their real timings and
+the ids the engine chose, so parents and links stay exact.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -22,21 +25,57 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 SCOPE_NAME = "kvcompose"
+REQUEST_ID = "gen_ai.request.id"  # the key vLLM's own request spans use
+ERROR_TYPE = "error.type"  # OpenTelemetry's semantic convention for failures
+
+
+class SpanTemplate(NamedTuple):
+    """What every span of one kind shares. Marshal-able (plain values) once made a tuple."""
+
+    name: str
+    attributes: Mapping[str, Any]
+    keys: tuple[str, ...]  # names of a record's ``values``, in order
 
 
 class SpanRecord(NamedTuple):
-    """One finished span. Marshal-able: ints, strings, floats, bools, tuples, dicts and None only."""
+    """One finished span. The hot path builds plain tuples in this field order."""
 
-    name: str
+    template: int
     trace_id: int
     span_id: int
     parent_id: int  # 0: a root span
     start_ns: int
     end_ns: int
-    attributes: Mapping[str, Any]
+    request_id: str | None
+    values: tuple[Any, ...] | None  # of the template's keys; a None value is left out
     error_type: str | None = None  # set: status ERROR with this ``error.type``
     links: tuple[tuple[int, int], ...] = ()  # (trace id, span id) of linked spans
     events: tuple[tuple[str, int, Mapping[str, Any]], ...] = ()  # (name, time ns, attributes)
+
+
+class Templates:
+    """The span templates of one process's shipper, numbered in registration order."""
+
+    def __init__(self) -> None:
+        self.all: list[SpanTemplate] = []
+        self._ids: dict[SpanTemplate, int] = {}
+        self._shipped = 0
+
+    def register(self, name: str, attributes: Mapping[str, Any], keys: Sequence[str] = ()) -> int:
+        template = SpanTemplate(name, dict(attributes), tuple(keys))
+        key = SpanTemplate(name, tuple(sorted(template.attributes.items())), template.keys)  # type: ignore[arg-type]
+        if (known := self._ids.get(key)) is not None:
+            return known
+        self._ids[key] = len(self.all)
+        self.all.append(template)
+        return self._ids[key]
+
+    def unshipped(self) -> list[tuple[Any, ...]]:
+        """Templates registered and not yet marked shipped, as plain tuples."""
+        return [tuple(template) for template in self.all[self._shipped:]]
+
+    def mark_shipped(self) -> None:
+        self._shipped = len(self.all)
 
 
 class IdSource:
@@ -44,24 +83,18 @@ class IdSource:
 
     Not Python's shared ``random``: vLLM seeds it alike in every engine and
     worker process, and two servers of a prefill/decode pair would then hand
-    out the same ids inside one trace. Re-seeded after a fork.
+    out the same ids inside one trace. Re-seeded in a forked child.
     """
 
     def __init__(self) -> None:
-        self._pid = -1
-        self._random = random.Random()
+        self._random = random.Random(os.urandom(32))
+        os.register_at_fork(after_in_child=lambda: self._random.seed(os.urandom(32)))
 
     def span_id(self) -> int:
-        return self._draw(64)
+        return self._random.getrandbits(64) or 1
 
     def trace_id(self) -> int:
-        return self._draw(128)
-
-    def _draw(self, bits: int) -> int:
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._random.seed(os.urandom(32))
-        return self._random.getrandbits(bits) or 1
+        return self._random.getrandbits(128) or 1
 
 
 IDS = IdSource()
@@ -92,22 +125,30 @@ def resource_for(service_name: str) -> Resource:
     return Resource.create({SERVICE_NAME: service_name})
 
 
-def to_readable_spans(records: Iterable[SpanRecord], resource: Resource, version: str) -> list[ReadableSpan]:
+def to_readable_spans(
+    records: Iterable[Sequence[Any]], templates: Sequence[Sequence[Any]], resource: Resource, version: str
+) -> list[ReadableSpan]:
     """SDK spans of the records, ready for any ``SpanExporter``."""
     scope = InstrumentationScope(SCOPE_NAME, version)
     sampled = TraceFlags(TraceFlags.SAMPLED)
     spans = []
-    for record in records:
-        record = SpanRecord(*record)  # marshal hands back plain tuples
-        attributes = dict(record.attributes)
+    for fields in records:
+        record = SpanRecord(*fields)
+        template = SpanTemplate(*templates[record.template])
+        attributes = dict(template.attributes)
+        if record.request_id is not None:
+            attributes[REQUEST_ID] = record.request_id
+        for key, value in zip(template.keys, record.values or (), strict=False):
+            if value is not None:
+                attributes[key] = value
         status = Status(StatusCode.UNSET)
         if record.error_type is not None:
-            attributes["error.type"] = record.error_type
+            attributes[ERROR_TYPE] = record.error_type
             status = Status(StatusCode.ERROR, record.error_type.rsplit(".", 1)[-1])
         parent = SpanContext(record.trace_id, record.parent_id, is_remote=False, trace_flags=sampled) if (
             record.parent_id) else None
         spans.append(ReadableSpan(
-            name=record.name,
+            name=template.name,
             context=SpanContext(record.trace_id, record.span_id, is_remote=False, trace_flags=sampled),
             parent=parent,
             resource=resource,
