@@ -60,7 +60,7 @@ def test_recorder_buckets_bytes_in_flight_failures_and_exemplars() -> None:
     assert [table.in_flight_change(child, "load" if child == "hot" else "save") for child in CHILDREN] == [0, 1, -1]
     assert (table.failed("hot", "load", "failed"), table.failed("hot", "load", "aborted")) == (1, 0)
     assert table.failed("remote", "save", "aborted") == 1
-    assert {cell: exemplar[:2] for cell, exemplar in table.exemplars.items()} == {
+    assert {cell: exemplar[1:] for cell, exemplar in table.exemplars.items()} == {
         0: [TRACE_B, 0.0005], 3: [TRACE_C, 5.0]}
     assert recorder.take() is None  # afresh
 
@@ -120,7 +120,7 @@ def _transfer_dicts() -> st.SearchStrategy[dict[str, Any]]:
         lambda used, moved, in_flight, failures, exemplars: TransferTable(
             CHILDREN, len(BOUNDS) + 1, {cell: [count, float(seconds)] for cell, (count, seconds) in used.items()},
             moved, in_flight, failures,
-            {cell: [trace, float(seconds), float(at)] for cell, (trace, seconds, at) in exemplars.items()},
+            {cell: [float(at), trace, float(seconds)] for cell, (trace, seconds, at) in exemplars.items()},
         ).to_dict(),
         st.dictionaries(st.integers(0, CELLS - 1), st.tuples(st.integers(1, 50), st.integers(0, 1000)), max_size=12),
         st.lists(st.integers(0, 2**40), min_size=LANES, max_size=LANES),
@@ -181,11 +181,11 @@ def test_payload_survives_vllms_msgpack_hop(payload: dict[str, Any]) -> None:
 def test_merged_exemplar_is_the_latest_of_its_bucket() -> None:
     def one_transfer(trace_id: str, at: float) -> KVComposeStats:
         return KVComposeStats(data={TRANSFERS_KEY: TransferTable(
-            CHILDREN, 4, {0: [1, 0.0005]}, exemplars={0: [trace_id, 0.0005, at]})})
+            CHILDREN, 4, {0: [1, 0.0005]}, exemplars={0: [at, trace_id, 0.0005]})})
 
     for first, second in (((TRACE_A, 100.0), (TRACE_B, 200.0)), ((TRACE_B, 200.0), (TRACE_A, 100.0))):
         stats = one_transfer(*first).aggregate(one_transfer(*second))
-        assert stats.transfers.exemplars == {0: [TRACE_B, 0.0005, 200.0]} and stats.transfers.cells == {0: [2, 0.001]}
+        assert stats.transfers.exemplars == {0: [200.0, TRACE_B, 0.0005]} and stats.transfers.cells == {0: [2, 0.001]}
 
 
 def test_empty_reduce_and_reset_account_for_transfers_and_telemetry() -> None:
@@ -236,7 +236,7 @@ def test_payload_size_is_bounded_whatever_the_traffic() -> None:
     buckets = len(DEFAULT_TRANSFER_BUCKETS) + 1
     every_cell = range(len(CHILDREN) * len(DIRECTIONS) * buckets)
     full = TransferTable(CHILDREN, buckets, {cell: [1, 0.5] for cell in every_cell},
-                         exemplars={cell: [TRACE_A, 0.5, 1.0] for cell in every_cell})
+                         exemplars={cell: [1.0, TRACE_A, 0.5] for cell in every_cell})
     bound = _leaves(KVComposeStats(data={TRANSFERS_KEY: full}).to_dict())
     for transfers in (300, 30_000):
         payload = payload_after(transfers)

@@ -97,7 +97,7 @@ class TransferSeries:
             lane, bucket = divmod(cell, table.buckets)
             exemplar = table.exemplars.get(cell) if self._exemplars else None
             replay_cell(lanes[lane].duration, self._bounds, bucket, count, seconds,
-                        None if exemplar is None else (exemplar[0], exemplar[1]))
+                        None if exemplar is None else (exemplar[1], exemplar[2]))
         for lane, moved, change in zip(lanes, table.moved_bytes, table.in_flight, strict=True):
             if moved:
                 lane.moved_bytes.inc(moved)

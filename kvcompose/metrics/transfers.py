@@ -15,8 +15,8 @@ A table holds, per lane (one child and one direction):
 - the change in transfers in flight (started less ended): the front-end adds
   the changes up into its gauge;
 - the transfers that failed or were aborted;
-- per duration cell, the latest transfer with a trace id (its id, seconds and
-  time), the exemplar that links a slow bucket to its trace.
+- per duration cell, the latest transfer with a trace id (its time, id and
+  seconds), the exemplar that links a slow bucket to its trace.
 
 So its size is bounded by the pipeline (children x 2 x buckets), whatever the
 traffic.
@@ -40,15 +40,12 @@ DIRECTIONS: tuple[Direction, ...] = ("load", "save")
 # The outcomes counted as failures, in the order a table keeps them.
 FAILURES: tuple[Outcome, ...] = ("failed", "aborted")
 
-Exemplars = dict[int, list[Any]]  # duration cell -> [trace id, seconds, unix time]
+# Duration cell -> [unix time, trace id, seconds]: in that order, the later of two exemplars
+# compares greater (ties broken by trace id and seconds, so any merge order keeps the same one).
+Exemplars = dict[int, list[Any]]
 
 _DIRECTION_INDEX = {direction: index for index, direction in enumerate(DIRECTIONS)}
 _FAILURE_INDEX = {outcome: index for index, outcome in enumerate(FAILURES)}
-
-
-def _later(mine: list[Any], theirs: list[Any]) -> list[Any]:
-    """The later of two exemplars; ties broken by trace id and seconds, so any merge order agrees."""
-    return max(mine, theirs, key=lambda exemplar: (exemplar[2], exemplar[0], exemplar[1]))
 
 
 class TransferTable:
@@ -85,7 +82,8 @@ class TransferTable:
         self.failures = list(map(add, self.failures, other.failures))
         for cell, exemplar in other.exemplars.items():
             mine = self.exemplars.get(cell)
-            self.exemplars[cell] = list(exemplar if mine is None else _later(mine, exemplar))
+            if mine is None or exemplar > mine:
+                self.exemplars[cell] = exemplar  # exemplars are replaced, never changed: sharing is safe
 
     def is_empty(self) -> bool:
         return not (self.cells or any(self.moved_bytes) or any(self.in_flight) or any(self.failures))
@@ -153,7 +151,7 @@ class TransferTable:
             )
         cells = {cell: [count, seconds] for cell, count, seconds in
                  zip(data["cells"], data["transfers"], data["seconds"], strict=True)}
-        exemplars = {cell: [trace_id, seconds, at] for cell, trace_id, seconds, at in data["exemplars"]}
+        exemplars = {cell: [at, trace_id, seconds] for cell, at, trace_id, seconds in data["exemplars"]}
         return cls(data["children"], data["buckets"], cells, list(data["bytes"]), list(data["in_flight"]),
                    list(data["failures"]), exemplars)
 
@@ -200,7 +198,7 @@ class TransferRecorder:
         lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
         cell = lane * self._buckets + bisect_left(self._bounds, seconds)  # Prometheus' le: bound inclusive
         failure = None if outcome == "ok" else lane * len(FAILURES) + _FAILURE_INDEX[outcome]
-        exemplar = [trace_id, seconds, time.time()] if trace_id else None
+        exemplar = [time.time(), trace_id, seconds] if trace_id else None
         with self._lock:
             table = self._table
             table.in_flight[lane] -= 1
