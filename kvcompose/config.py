@@ -24,10 +24,18 @@ LABEL_SAFE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 LabelSafeName = Annotated[str, StringConstraints(pattern=LABEL_SAFE_PATTERN)]
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
-# About 50 us to 10 s: connector calls range from a dict lookup to a remote fetch.
+# 1 us to 10 s, 1-2.5-5 per decade: connector calls range from a dict lookup of a
+# microsecond (a lowest bound above that reports every such call at half that bound)
+# to a remote fetch of seconds.
 DEFAULT_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
-    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.000001, 0.0000025, 0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+# 10 us to 50 s, 1-2.5-5 per decade: a KV transfer ranges from a copy of one block
+# in host memory to a multi-second fetch from a remote tier.
+DEFAULT_TRANSFER_BUCKETS: tuple[float, ...] = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0,
 )  # fmt: skip
 
 
@@ -128,8 +136,11 @@ class MetricsSection(_Section):
     latency_buckets: tuple[float, ...] = Field(
         DEFAULT_LATENCY_BUCKETS, description="Upper bounds (seconds) of the latency histogram buckets."
     )
+    transfer_buckets: tuple[float, ...] = Field(
+        DEFAULT_TRANSFER_BUCKETS, description="Upper bounds (seconds) of the transfer duration histogram buckets."
+    )
 
-    @field_validator("latency_buckets")
+    @field_validator("latency_buckets", "transfer_buckets")
     @classmethod
     def _increasing_buckets(cls, buckets: tuple[float, ...]) -> tuple[float, ...]:
         if not buckets:

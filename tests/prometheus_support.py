@@ -30,21 +30,27 @@ class PrometheusServer:
         stop_process(self.process)
 
 
-def start_prometheus(target_url: str, root: Path) -> PrometheusServer:
-    """Start Prometheus scraping ``target_url`` every second; return once it has scraped it."""
+def start_prometheus(
+    target_url: str, root: Path, metrics_path: str = "/metrics", features: tuple[str, ...] = (),
+) -> PrometheusServer:
+    """Start Prometheus scraping ``target_url`` every second; return once it has scraped it.
+
+    ``features``: Prometheus feature flags, e.g. ``exemplar-storage`` to keep exemplars."""
     binary = shutil.which("prometheus")
     assert binary, "the Prometheus server is missing: `make test` installs it (scripts/ensure-prometheus.sh)"
     target = target_url.removeprefix("http://")
     (root / "prometheus.yml").write_text(
         f"global: {{scrape_interval: {SCRAPE_INTERVAL_S}s}}\n"
-        f"scrape_configs:\n  - job_name: {JOB}\n    static_configs: [{{targets: ['{target}']}}]\n"
+        f"scrape_configs:\n  - job_name: {JOB}\n    metrics_path: {metrics_path}\n"
+        f"    static_configs: [{{targets: ['{target}']}}]\n"
     )
     url = f"http://127.0.0.1:{free_port()}"
     log = root / "prometheus.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [binary, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
-             f"--web.listen-address={url.removeprefix('http://')}"], stdout=sink, stderr=subprocess.STDOUT)
+             f"--web.listen-address={url.removeprefix('http://')}", *(f"--enable-feature={f}" for f in features)],
+            stdout=sink, stderr=subprocess.STDOUT)
     server = PrometheusServer(process, url, log)
     try:
         wait(lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=2).status == 200, 60, log.read_text)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompose.config import DEFAULT_LATENCY_BUCKETS, load_pipeline
+from kvcompose.config import DEFAULT_LATENCY_BUCKETS, DEFAULT_TRANSFER_BUCKETS, load_pipeline
 from kvcompose.errors import PipelineConfigError
 from kvcompose.interpolation import interpolate_env
 
@@ -79,7 +79,9 @@ def test_defaults() -> None:
     assert (p.role, p.load.policy, p.children[0].load, p.children[0].save) == ("kv_both", "first_match", True, True)
     assert (p.tracing.enabled, p.tracing.granularity, p.tracing.exporter) == (False, "request", "otlp")
     assert p.metrics.latency_buckets == DEFAULT_LATENCY_BUCKETS
-    assert DEFAULT_LATENCY_BUCKETS[0] == pytest.approx(5e-5) and DEFAULT_LATENCY_BUCKETS[-1] == 10.0
+    assert DEFAULT_LATENCY_BUCKETS[0] == pytest.approx(1e-6) and DEFAULT_LATENCY_BUCKETS[-1] == 10.0
+    assert p.metrics.transfer_buckets == DEFAULT_TRANSFER_BUCKETS
+    assert DEFAULT_TRANSFER_BUCKETS[0] == pytest.approx(1e-5) and DEFAULT_TRANSFER_BUCKETS[-1] >= 30.0
 
 
 def test_json_file_is_read_with_lines(tmp_path: Path) -> None:
@@ -149,6 +151,8 @@ def test_unset_variable_names_the_field(tmp_path: Path, monkeypatch: pytest.Monk
          "4: tracing.granularity: Input should be 'request', 'step' or 'layer'"),
         ("version: 1\nname: x\nchildren: [{name: a, connector: ExampleConnector}]\nmetrics: {latency_buckets: [1, 0.5]}\n",
          "4: metrics.latency_buckets: bucket bounds must be strictly increasing"),
+        ("version: 1\nname: x\nchildren: [{name: a, connector: ExampleConnector}]\nmetrics: {transfer_buckets: [0, 1]}\n",
+         "4: metrics.transfer_buckets: bucket bounds must be positive"),
         ("version: 1\nname: x\nchildren: [{name: a, connector: ExampleConnector}]\nlogging: {format: xml}\n",
          "4: logging.format: Input should be 'json' or 'console'"),
     ],

@@ -149,8 +149,18 @@ def test_the_issue_panels_are_present() -> None:
                    "histogram_quantile(0.5, sum by (le, connector, op) (rate(kvcompose_call_duration_seconds_bucket",
                    "histogram_quantile(0.9,", "histogram_quantile(0.99,", "kvcompose_call_duration_seconds_count",
                    "kvcompose_call_errors_total", "kvcompose_load_error_blocks_total", "kvcompose_child_state",
-                   "vllm:kv_offload_load_bytes_total", "vllm:nixl_xfer_time_seconds_bucket"):
+                   "vllm:kv_offload_load_bytes_total", "vllm:nixl_xfer_time_seconds_bucket",
+                   "histogram_quantile(0.5, sum by (le, connector, direction) "
+                   "(rate(kvcompose_transfer_duration_seconds_bucket", "kvcompose_transfer_bytes_total",
+                   "kvcompose_transfers_in_flight", "kvcompose_transfers_failed_total"):
         assert needle in exprs, needle
+
+
+def test_transfer_latency_targets_ask_for_exemplars(dashboard: dict[str, Any]) -> None:
+    for panel in all_panels(dashboard):
+        for target in panel.get("targets", []):
+            reads_transfer_buckets = "kvcompose_transfer_duration_seconds_bucket" in target["expr"]
+            assert target.get("exemplar", False) is reads_transfer_buckets, panel["title"]
 
 
 # --- pipeline layout ---------------------------------------------------------------------------
@@ -160,6 +170,8 @@ def test_pipeline_layout_has_one_row_per_child_scoped_to_it() -> None:
     rows = [panel for panel in dashboard["panels"] if panel["type"] == "row"]
     assert [row["title"] for row in rows] == [
         "Pipeline native", "hot (OffloadingConnector)", "cold (NixlConnector)"]
+    for row in rows[1:]:
+        assert "Transfer duration p50 / p99" in [panel["title"] for panel in _row_panels(dashboard, row)]
     assert dashboard["uid"] == "kvcompose-native" and dashboard["title"] == "kvcompose: native"
     for row, child, native, other in ((rows[1], "hot", "vllm:kv_offload_", "vllm:nixl_"),
                                       (rows[2], "cold", "vllm:nixl_", "vllm:kv_offload_")):
@@ -249,6 +261,21 @@ def test_compose_prometheus_config_is_valid_and_matches_the_datasource_interval(
     checked = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert yaml.safe_load(config.read_text())["global"]["scrape_interval"] == SCRAPE_INTERVAL
+
+
+def test_compose_keeps_exemplars_and_links_them_to_jaeger() -> None:
+    """Prometheus scrapes /metrics/ (OpenMetrics, with exemplars) and stores exemplars; Grafana's
+    Prometheus datasource sends an exemplar's trace_id to the provisioned Jaeger datasource."""
+    compose = yaml.safe_load((OBSERVABILITY / "docker-compose.yml").read_text())
+    assert "--enable-feature=exemplar-storage" in compose["services"]["prometheus"]["command"]
+    (job,) = yaml.safe_load((OBSERVABILITY / "prometheus.yml").read_text())["scrape_configs"]
+    assert job["metrics_path"] == "/metrics/"
+    datasources = {source["type"]: source for source in yaml.safe_load(
+        provisioning_files()["datasources/kvcompose.yaml"])["datasources"]}
+    (destination,) = datasources["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert destination == {"name": "trace_id", "datasourceUid": datasources["jaeger"]["uid"]}
+    jaeger_ui = next(port for port in compose["services"]["jaeger"]["ports"] if port.startswith("16686:"))
+    assert datasources["jaeger"]["url"] == f"http://jaeger:{jaeger_ui.split(':')[1]}"
 
 
 # --- helpers -----------------------------------------------------------------------------------

@@ -94,6 +94,20 @@ SERIES: list[tuple[str, str]] = [
     (f"kvcompose_child_state{{{COLD}}}", gauge(2)),
     (f"kvcompose_circuit_breaker_opens_total{{{HOT}}}", counter(0)),
     (f"kvcompose_circuit_breaker_opens_total{{{COLD}}}", counter(0.25)),
+    # Transfers: hot loads SPREAD and saves FAST, cold loads FAST_HALF (same quantiles as FAST);
+    # cold saves nothing (no transfer series: none of its cells was ever used).
+    *histogram("kvcompose_transfer_duration_seconds", f'{HOT}, direction="load"', SPREAD),
+    *histogram("kvcompose_transfer_duration_seconds", f'{HOT}, direction="save"', FAST),
+    *histogram("kvcompose_transfer_duration_seconds", f'{COLD}, direction="load"', FAST_HALF),
+    (f'kvcompose_transfer_bytes_total{{{HOT}, direction="load"}}', counter(1024)),
+    (f'kvcompose_transfer_bytes_total{{{HOT}, direction="save"}}', counter(512)),
+    (f'kvcompose_transfer_bytes_total{{{COLD}, direction="load"}}', counter(2048)),
+    (f'kvcompose_transfers_in_flight{{{HOT}, direction="load"}}', gauge(3)),
+    (f'kvcompose_transfers_in_flight{{{HOT}, direction="save"}}', gauge(0)),
+    (f'kvcompose_transfers_in_flight{{{COLD}, direction="load"}}', gauge(1)),
+    (f'kvcompose_transfers_failed_total{{{HOT}, direction="load", outcome="failed"}}', counter(0.25)),
+    (f'kvcompose_transfers_failed_total{{{HOT}, direction="save", outcome="failed"}}', counter(0)),
+    (f'kvcompose_transfers_failed_total{{{COLD}, direction="load", outcome="aborted"}}', counter(0.5)),
     # OffloadingConnector on "hot": 1024 B/s loaded in 1/1024 s/s of transfer time = 2^20 B/s while
     # transferring; 512 B/s stored in the same time = 2^19 B/s.
     ("vllm:kv_offload_load_bytes_total{%s}" % HOT, counter(1024)),
@@ -121,6 +135,10 @@ for decoy in DECOYS:
         (f"kvcompose_load_error_blocks_total{{{decoy}}}", counter(1)),
         (f"kvcompose_child_state{{{decoy}}}", gauge(1)),
         (f"kvcompose_circuit_breaker_opens_total{{{decoy}}}", counter(1)),
+        *histogram("kvcompose_transfer_duration_seconds", f'{decoy}, direction="load"', SLOW),
+        (f'kvcompose_transfer_bytes_total{{{decoy}, direction="load"}}', counter(1)),
+        (f'kvcompose_transfers_in_flight{{{decoy}, direction="load"}}', gauge(5)),
+        (f'kvcompose_transfers_failed_total{{{decoy}, direction="load", outcome="failed"}}', counter(1)),
         *((f"vllm:kv_offload_{name}_total{{{decoy}}}", counter(1)) for name in (
             "load_bytes", "load_time", "store_bytes", "store_time", "allocation_failure")),
         *histogram("vllm:kv_offload_lookup_sync_delay_seconds", decoy, SLOW),
@@ -134,6 +152,12 @@ for decoy in DECOYS:
 
 def hot_cold(hot: float, cold: float) -> list[tuple[dict[str, str], float]]:
     return [({"connector": "hot"}, hot), ({"connector": "cold"}, cold)]
+
+
+def by_direction(hot_load: float, hot_save: float, cold_load: float) -> list[tuple[dict[str, str], float]]:
+    return [({"connector": "hot", "direction": "load"}, hot_load),
+            ({"connector": "hot", "direction": "save"}, hot_save),
+            ({"connector": "cold", "direction": "load"}, cold_load)]
 
 
 def by_op(hot_lookup: float, hot_start_load_kv: float, cold_lookup: float) -> list[tuple[dict[str, str], float]]:
@@ -160,6 +184,13 @@ EXPECTED: dict[str, list[tuple[dict[str, str], float]]] = {
     "load_error_blocks": hot_cold(0, 2),
     "child_state": hot_cold(0, 2),
     "breaker_opens": hot_cold(0, 0.25),
+    "transfer_p50": by_direction(0.5, 0.125, 0.125),
+    "transfer_p99": by_direction(0.99, 0.2475, 0.2475),
+    "transfer_bytes": by_direction(1024, 512, 2048),
+    "transfers_in_flight": by_direction(3, 0, 1),
+    "transfer_failures": [({"connector": "hot", "direction": "load", "outcome": "failed"}, 0.25),
+                          ({"connector": "hot", "direction": "save", "outcome": "failed"}, 0),
+                          ({"connector": "cold", "direction": "load", "outcome": "aborted"}, 0.5)],
     "offload_load_bytes": [({"connector": "hot"}, 1024)],
     "offload_store_bytes": [({"connector": "hot"}, 512)],
     "offload_load_bandwidth": [({"connector": "hot"}, 2**20)],
@@ -244,6 +275,7 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     from kvcompose.connectors.children import child_specs
     from kvcompose.metrics.native import NativeStats, class_path
     from kvcompose.metrics.recorder import PipelineRecorder
+    from kvcompose.metrics.transfers import TransferRecorder
 
     registry = CollectorRegistry()
     metric_types: dict[type, Any] = {kind: functools.partial(kind, registry=registry)
@@ -279,8 +311,15 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
         entries.append(1)
     native = {"hot": NativeStats(class_path(specs["hot"].connector_cls), offload).to_dict(),
               "cold": NativeStats(class_path(specs["cold"].connector_cls), nixl).to_dict()}
+    transfers = TransferRecorder(True, list(specs), load_pipeline(NATIVE_PIPELINE).metrics.transfer_buckets)
+    for index in range(len(specs)):  # a transfer each way, the save failing, one still in flight
+        for direction, outcome in (("load", "ok"), ("save", "failed")):
+            transfers.started(index, direction)
+            transfers.ended(index, direction, 0.002, 4096, outcome, "0af7651916cd43dd8448eb211c80319c")
+        transfers.started(index, "load")
     breakers = {child: {"state": 2, "opens": 1} for child in specs}
-    prom.observe({"calls": recorder.take().to_dict(), "breakers": breakers, "native": native}, 0)
+    prom.observe({"calls": recorder.take().to_dict(), "transfers": transfers.take().to_dict(), "breakers": breakers,
+                  "native": native}, 0)
     return list(text_string_to_metric_families(generate_latest(registry).decode()))
 
 

@@ -1,10 +1,11 @@
 """The whole dashboard: rows of panels on Grafana's 24-column grid.
 
 Without a pipeline, one dashboard fits every pipeline: an overview, the
-calls into each child (one series per child), and collapsed rows for the
-native metrics of OffloadingConnector and NIXL children. With a pipeline,
-the overview is followed by one row per child, holding that child's calls
-and, for a known class, its native panels.
+calls into each child and its transfers (one series per child), and
+collapsed rows for the native metrics of OffloadingConnector and NIXL
+children. With a pipeline, the overview is followed by one row per child,
+holding that child's calls, its transfers and, for a known class, its native
+panels.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from kvcompose.config import Pipeline
 from kvcompose.dashboard.model import PanelSpec, panel_json, row_json
-from kvcompose.dashboard.panels import CHILD_CALLS, NATIVE_PANELS, NIXL, OFFLOADING, OVERVIEW
+from kvcompose.dashboard.panels import CHILD_CALLS, NATIVE_PANELS, NIXL, OFFLOADING, OVERVIEW, TRANSFERS
 from kvcompose.dashboard.queries import Scope
 from kvcompose.dashboard.variables import template_variables
 
@@ -41,13 +42,15 @@ def sections(pipeline: Pipeline | None) -> list[Section]:
         return [
             Section("Pipeline", OVERVIEW),
             Section("Calls into each child", CHILD_CALLS),
+            Section("Transfers", TRANSFERS),
             Section("OffloadingConnector children", OFFLOADING, collapsed=True),
             Section("NIXL children", NIXL, collapsed=True),
         ]
     return [
         Section(f"Pipeline {pipeline.name}", OVERVIEW),
-        *(Section(f"{child.name} ({child.connector})", CHILD_CALLS + NATIVE_PANELS.get(child.connector, ()),
-                  Scope(child.name)) for child in pipeline.children),
+        *(Section(f"{child.name} ({child.connector})",
+                  CHILD_CALLS + TRANSFERS + NATIVE_PANELS.get(child.connector, ()), Scope(child.name))
+          for child in pipeline.children),
     ]
 
 

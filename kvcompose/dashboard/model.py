@@ -83,7 +83,7 @@ def row_json(title: str, panel_id: int, y: int, collapsed: bool, panels: list[di
 
 
 def _target(query: Query, ref_id: str, scope: Scope) -> dict[str, Any]:
-    return {
+    target = {
         "refId": ref_id,
         "datasource": DATASOURCE,
         "editorMode": "code",
@@ -93,6 +93,9 @@ def _target(query: Query, ref_id: str, scope: Scope) -> dict[str, Any]:
         "instant": query.table,
         "range": not query.table,
     }
+    if query.exemplars:
+        target["exemplar"] = True
+    return target
 
 
 def _options(spec: PanelSpec) -> dict[str, Any]:

@@ -57,6 +57,28 @@ CHILD_CALLS: tuple[PanelSpec, ...] = (
     ),
 )
 
+TRANSFERS: tuple[PanelSpec, ...] = (
+    PanelSpec(
+        "Transfer duration p50 / p99",
+        "Duration of the child's KV loads and saves, start to end. The dots are exemplars: a recent traced "
+        "transfer of that duration; open its trace in Jaeger from the dot (Prometheus must scrape /metrics/ "
+        "with exemplar storage on; see the README).",
+        "s", q.TRANSFER_LATENCY, min=0,
+    ),
+    PanelSpec(
+        "Transfer throughput", "Bytes of KV the child's transfers moved per second.", "Bps", (q.TRANSFER_BYTES,),
+        min=0,
+    ),
+    PanelSpec(
+        "Transfers in flight", "The child's transfers started and not yet ended.", "short",
+        (q.TRANSFERS_IN_FLIGHT,), min=0,
+    ),
+    PanelSpec(
+        "Transfer failures", "The child's transfers that failed or were aborted, per second.", "ops",
+        (q.TRANSFER_FAILURES,), min=0,
+    ),
+)
+
 OFFLOADING: tuple[PanelSpec, ...] = (
     PanelSpec(
         "Offload transfer rate",

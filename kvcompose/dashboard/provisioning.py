@@ -1,15 +1,20 @@
-"""Grafana provisioning files: the Prometheus datasource and the dashboard provider.
+"""Grafana provisioning files: the Prometheus and Jaeger datasources and the dashboard provider.
 
 They fit examples/observability/docker-compose.yml (Prometheus reachable as
-``prometheus:9090``, the dashboards mounted at ``DASHBOARDS_PATH``); copy and
-edit them for another Grafana.
+``prometheus:9090``, Jaeger as ``jaeger:16686``, the dashboards mounted at
+``DASHBOARDS_PATH``); copy and edit them for another Grafana. The Prometheus
+datasource links the ``trace_id`` of each exemplar to that trace in Jaeger.
 """
 
 from __future__ import annotations
 
 import yaml
 
+from kvcompose.metrics.histograms import TRACE_ID_LABEL
+
 PROMETHEUS_URL = "http://prometheus:9090"
+JAEGER_URL = "http://jaeger:16686"
+JAEGER_UID = "jaeger"
 # Must equal scrape_interval in examples/observability/prometheus.yml:
 # Grafana's $__rate_interval is at least four of them.
 SCRAPE_INTERVAL = "5s"
@@ -25,7 +30,16 @@ def provisioning_files() -> dict[str, str]:
         "access": "proxy",
         "url": PROMETHEUS_URL,
         "isDefault": True,
-        "jsonData": {"timeInterval": SCRAPE_INTERVAL},
+        "jsonData": {
+            "timeInterval": SCRAPE_INTERVAL,
+            "exemplarTraceIdDestinations": [{"name": TRACE_ID_LABEL, "datasourceUid": JAEGER_UID}],
+        },
+    }, {
+        "name": "Jaeger",
+        "type": "jaeger",
+        "uid": JAEGER_UID,
+        "access": "proxy",
+        "url": JAEGER_URL,
     }]}
     provider = {"apiVersion": 1, "providers": [{
         "name": "kvcompose",

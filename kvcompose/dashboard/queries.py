@@ -54,6 +54,7 @@ class Query:
     legend: str
     build: Callable[[Scope], str]
     table: bool = False  # an instant query shown as table rows
+    exemplars: bool = False  # Grafana also asks Prometheus for the exemplars of the series read
 
     def expr(self, scope: Scope) -> str:
         return self.build(scope)
@@ -98,6 +99,26 @@ CHILD_STATE = Query(
 )
 BREAKER_OPENS = Query(
     "breaker_opens", "{{connector}}", lambda s: _sum_rate("connector", "kvcompose_circuit_breaker_opens_total", s)
+)
+
+# Each child's transfers (kvcompose/metrics/transfer_series.py), by direction (load, save).
+TRANSFER_LATENCY = tuple(
+    Query(f"transfer_p{round(q * 100)}", f"{{{{connector}}}} {{{{direction}}}} p{round(q * 100)}",
+          lambda s, q=q: _quantile(q, "kvcompose_transfer_duration_seconds", "connector, direction", s),
+          exemplars=True)
+    for q in (0.5, 0.99)
+)
+TRANSFER_BYTES = Query(
+    "transfer_bytes", "{{connector}} {{direction}}",
+    lambda s: _sum_rate("connector, direction", "kvcompose_transfer_bytes_total", s),
+)
+TRANSFERS_IN_FLIGHT = Query(
+    "transfers_in_flight", "{{connector}} {{direction}}",
+    lambda s: f"sum by (connector, direction) ({selector('kvcompose_transfers_in_flight', s)})",
+)
+TRANSFER_FAILURES = Query(
+    "transfer_failures", "{{connector}} {{direction}} {{outcome}}",
+    lambda s: _sum_rate("connector, direction, outcome", "kvcompose_transfers_failed_total", s),
 )
 
 # OffloadingConnector's own series (vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py).
@@ -152,6 +173,7 @@ NIXL_EXPIRED_REQUESTS = Query(
 QUERIES: tuple[Query, ...] = (
     TOPOLOGY, LOOKUP_HIT_RATIO, LOADED_TOKENS, MATCHED_TOKENS, *LATENCY, CALL_RATE, ERROR_RATE,
     LOAD_ERROR_BLOCKS, CHILD_STATE, BREAKER_OPENS,
+    *TRANSFER_LATENCY, TRANSFER_BYTES, TRANSFERS_IN_FLIGHT, TRANSFER_FAILURES,
     OFFLOAD_LOAD_BYTES, OFFLOAD_STORE_BYTES, OFFLOAD_LOAD_BANDWIDTH, OFFLOAD_STORE_BANDWIDTH,
     OFFLOAD_LOOKUP_P99, OFFLOAD_CPU_USAGE, OFFLOAD_ALLOCATION_FAILURES,
     *NIXL_TRANSFER_TIME, NIXL_BYTES, NIXL_FAILED_TRANSFERS, NIXL_EXPIRED_REQUESTS,

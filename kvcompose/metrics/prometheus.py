@@ -8,6 +8,9 @@ Children's own metrics are built once per child class with an extra
 ``connector`` label. Each (engine, child) pair gets its own synthetic engine
 index, so two children of one class no longer register the same series
 twice (vLLM issue 39906) and stay apart on the dashboard.
+
+Histograms are fed whole cells (kvcompose.metrics.histograms); the transfer
+series, exemplars included, are kvcompose.metrics.transfer_series.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
+from kvcompose.metrics.histograms import replay_cell
 from kvcompose.metrics.native import NativeStats
-from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY
+from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY, TELEMETRY_KEY, TRANSFERS_KEY
 from kvcompose.metrics.table import COUNTERS, CallTable
+from kvcompose.metrics.telemetry import TelemetryCounters
+from kvcompose.metrics.transfer_series import TransferSeries
+from kvcompose.metrics.transfers import TransferTable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,6 +75,7 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         unregister_kvcompose_metrics()
         names = [*labelnames, CONNECTOR_LABEL]
+        self._latency_bounds = tuple(pipeline.metrics.latency_buckets)
         self.duration = self._histogram_cls(
             "kvcompose_call_duration_seconds",
             "Latency of kvcompose's calls into each child connector, by operation.",
@@ -122,12 +130,32 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
                     getattr(self, metric).labels(*engine_labels, spec.name, *extra_labels)
         # (engine, child, op) -> histogram series: labels() costs more than an observation.
         self._duration_series: dict[tuple[int, str, str], Any] = {}
+        self._transfers = TransferSeries(metric_types, names, per_engine_labelvalues, [spec.name for spec in specs],
+                                         pipeline.metrics.transfer_buckets)
+        self.spans_dropped = self._counter_cls(
+            "kvcompose_spans_dropped_total",
+            "Spans kvcompose's exporters dropped because their queue was full (collector slow or unreachable).",
+            labelnames=labelnames,
+        )
+        self.spans_queued = self._gauge_cls(
+            "kvcompose_spans_queued",
+            "Spans waiting to be exported, in the fullest queue of the engine's processes at its last report.",
+            labelnames=labelnames,
+            multiprocess_mode="mostrecent",
+        )
+        for engine_labels in per_engine_labelvalues.values():
+            self.spans_dropped.labels(*engine_labels)
+            self.spans_queued.labels(*engine_labels).set(0)
         self._native = _NativeChildMetrics(metric_types, labelnames, per_engine_labelvalues, specs)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
         if (calls := transfer_stats_data.get(CALLS_KEY)) is not None:
             self._observe_calls(CallTable.from_dict(calls) if isinstance(calls, dict) else calls, engine_idx)
+        if (transfers := transfer_stats_data.get(TRANSFERS_KEY)) is not None:
+            self._transfers.observe(TransferTable.from_payload(transfers), engine_idx)
+        if (telemetry := transfer_stats_data.get(TELEMETRY_KEY)) is not None:
+            self._observe_telemetry(TelemetryCounters.from_payload(telemetry), engine_labels)
         for child, breaker in transfer_stats_data.get(BREAKERS_KEY, {}).items():
             self.child_state.labels(*engine_labels, child).set(breaker["state"])
             if breaker["opens"]:
@@ -141,11 +169,7 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
             key = (engine_idx, *table.operation_of(cell))
             if (series := self._duration_series.get(key)) is None:
                 series = self._duration_series[key] = self.duration.labels(*engine_labels, *key[1:])
-            # The cell's mean latency lies inside its bucket: observing it ``count``
-            # times gives Prometheus the exact bucket counts and the exact sum.
-            mean = seconds / count
-            for _ in range(count):
-                series.observe(mean)
+            replay_cell(series, self._latency_bounds, cell % table.buckets, count, seconds)
         for index, amount in enumerate(table.counters):
             if amount:
                 row, column = divmod(index, len(COUNTERS))
@@ -155,6 +179,13 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
             for op, by_type in by_op.items():
                 for error_type, count in by_type.items():
                     self.errors.labels(*engine_labels, child, op, error_type).inc(count)
+
+
+    def _observe_telemetry(self, telemetry: TelemetryCounters, engine_labels: list[object]) -> None:
+        if telemetry.spans_dropped:
+            self.spans_dropped.labels(*engine_labels).inc(telemetry.spans_dropped)
+        if telemetry.spans_queued is not None:
+            self.spans_queued.labels(*engine_labels).set(telemetry.spans_queued)
 
 
 class _NativeChildMetrics:

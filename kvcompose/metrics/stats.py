@@ -1,14 +1,17 @@
 """KVComposeStats: the composite's mergeable stats, keyed by child name.
 
-``data`` holds kvcompose's own :class:`CallTable` of every child's calls, each
-child's native stats and its circuit breaker's report. It crosses processes
-as plain data (``to_dict``)::
+``data`` holds kvcompose's own :class:`CallTable` of every child's calls, its
+:class:`TransferTable` of every child's transfers, each child's native stats,
+its circuit breaker's report, and the span exporter's :class:`TelemetryCounters`.
+It crosses processes as plain data (``to_dict``)::
 
     {"calls": <CallTable.to_dict()> | None,
+     "transfers": <TransferTable.to_dict()> | None,
      "native": {child: {"class": "module:Class", "stats": <the child's own stats dict>}},
-     "breakers": {child: {"state": 0 closed | 1 open | 2 half-open, "opens": count}}}
+     "breakers": {child: {"state": 0 closed | 1 open | 2 half-open, "opens": count}},
+     "telemetry": {"spans_dropped": count, "spans_queued": count | None} | None}
 
-Its size is bounded by children x operations x buckets, whatever the traffic.
+Its size is bounded by children x (operations + directions) x buckets, whatever the traffic.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.table import CallTable
+from kvcompose.metrics.telemetry import TelemetryCounters
+from kvcompose.metrics.transfers import TransferTable
 
 CALLS_KEY = "calls"
 NATIVE_KEY = "native"
 BREAKERS_KEY = "breakers"
+TRANSFERS_KEY = "transfers"
+TELEMETRY_KEY = "telemetry"
 
 
 @dataclass
@@ -39,6 +46,22 @@ class KVComposeStats(KVConnectorStats):
     @calls.setter
     def calls(self, table: CallTable | None) -> None:
         self.data[CALLS_KEY] = table
+
+    @property
+    def transfers(self) -> TransferTable | None:
+        return self.data.get(TRANSFERS_KEY)
+
+    @transfers.setter
+    def transfers(self, table: TransferTable | None) -> None:
+        self.data[TRANSFERS_KEY] = table
+
+    @property
+    def telemetry(self) -> TelemetryCounters | None:
+        return self.data.get(TELEMETRY_KEY)
+
+    @telemetry.setter
+    def telemetry(self, counters: TelemetryCounters | None) -> None:
+        self.data[TELEMETRY_KEY] = counters
 
     @property
     def native(self) -> dict[str, NativeStats]:
@@ -58,13 +81,22 @@ class KVComposeStats(KVConnectorStats):
         calls = payload.get(CALLS_KEY)
         if isinstance(calls, dict):
             calls = CallTable.from_dict(calls)
-        return cls(data={CALLS_KEY: calls, NATIVE_KEY: native, BREAKERS_KEY: dict(payload.get(BREAKERS_KEY, {}))})
+        transfers, telemetry = payload.get(TRANSFERS_KEY), payload.get(TELEMETRY_KEY)
+        return cls(data={
+            CALLS_KEY: calls,
+            TRANSFERS_KEY: TransferTable.from_payload(transfers) if transfers is not None else None,
+            NATIVE_KEY: native,
+            BREAKERS_KEY: dict(payload.get(BREAKERS_KEY, {})),
+            TELEMETRY_KEY: TelemetryCounters.from_payload(telemetry) if telemetry is not None else None,
+        })
 
     def to_dict(self) -> dict[str, Any]:
         return {
             CALLS_KEY: self.calls.to_dict() if self.calls is not None else None,
+            TRANSFERS_KEY: self.transfers.to_dict() if self.transfers is not None else None,
             NATIVE_KEY: {name: stats.to_dict() for name, stats in self.native.items()},
             BREAKERS_KEY: self.breakers,
+            TELEMETRY_KEY: self.telemetry.to_dict() if self.telemetry is not None else None,
         }
 
     def aggregate(self, other: KVConnectorStats) -> KVComposeStats:
@@ -74,6 +106,14 @@ class KVComposeStats(KVConnectorStats):
             if self.calls is None:
                 self.calls = CallTable(other.calls.children, other.calls.buckets)
             self.calls.add(other.calls)
+        if other.transfers is not None:
+            if self.transfers is None:
+                self.transfers = TransferTable(other.transfers.children, other.transfers.buckets)
+            self.transfers.add(other.transfers)
+        if other.telemetry is not None:
+            if self.telemetry is None:
+                self.telemetry = TelemetryCounters()
+            self.telemetry.add(other.telemetry)
         for name, stats in other.native.items():
             mine_native = self.native.get(name)
             self.native[name] = stats if mine_native is None else mine_native.merged(stats)
@@ -88,13 +128,19 @@ class KVComposeStats(KVConnectorStats):
 
     def reset(self) -> None:
         self.calls = None
+        self.transfers = None
+        self.telemetry = None
         self.breakers.clear()
         for stats in self.native.values():
             stats.stats.reset()
 
     def reduce(self) -> dict[str, int | float]:
-        """One line of numbers for vLLM's periodic log: calls and mean ms per child and op."""
+        """One line of numbers for vLLM's periodic log: calls and mean ms per child and op, transfers."""
         reduced = self.calls.reduce() if self.calls is not None else {}
+        if self.transfers is not None:
+            reduced.update(self.transfers.reduce())
+        if self.telemetry is not None:
+            reduced.update(self.telemetry.reduce())
         for name, stats in self.native.items():
             for key, value in stats.stats.reduce().items():
                 reduced[f"{name}.{key}"] = value
@@ -103,6 +149,8 @@ class KVComposeStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return (
             (self.calls is None or self.calls.is_empty())
+            and (self.transfers is None or self.transfers.is_empty())
+            and (self.telemetry is None or self.telemetry.is_empty())
             and not self.breakers
             and all(stats.stats.is_empty() for stats in self.native.values())
         )

@@ -40,6 +40,16 @@ Cells = dict[int, list[Any]]  # cell index -> [calls, seconds]
 ErrorCounts = dict[str, dict[str, dict[str, int]]]  # child -> op -> exception type -> calls
 
 
+def add_cells(into: Cells, cells: Cells) -> None:
+    """Add each cell's count and seconds into ``into`` (``cells`` is not modified)."""
+    for cell, (count, total) in cells.items():
+        if (mine := into.get(cell)) is None:
+            into[cell] = [count, total]
+        else:
+            mine[0] += count
+            mine[1] += total
+
+
 def cell_index(row: int, column: int, bucket: int, buckets: int) -> int:
     """The cell of child ``row``, operation ``column`` (in ``OPS``) and latency ``bucket``."""
     return (row * len(OPS) + column) * buckets + bucket
@@ -86,12 +96,7 @@ class CallTable:
             self.densify()
             self._dense += other._dense
         elif self._dense is None and len(self._cells) + len(other._cells) <= SPARSE_MERGE_LIMIT:
-            for cell, (count, total) in other._cells.items():
-                if (mine := self._cells.get(cell)) is None:
-                    self._cells[cell] = [count, total]
-                else:
-                    mine[0] += count
-                    mine[1] += total
+            add_cells(self._cells, other._cells)
         else:
             self.densify()
             self._add_sparse_to_dense(other._cells)

@@ -1,0 +1,110 @@
+"""The Prometheus series of each child's transfers, fed a TransferTable at a time.
+
+Per engine, child (``connector``) and ``direction``: the duration histogram
+(its buckets' exemplars link to the traces), bytes moved, transfers in flight
+and failures by ``outcome``, every series created at 0 at start-up so that
+``rate()`` sees the first transfer.
+
+Exemplars: prometheus_client writes them only in OpenMetrics. vLLM's server
+answers ``/metrics/`` (with the slash) from the prometheus_client app it
+mounts, which speaks OpenMetrics when the scraper asks for it (Prometheus
+does); ``/metrics`` itself is answered by prometheus-fastapi-instrumentator's
+handler, always in the classic text format, without exemplars. In
+multiprocess mode (several API servers) exemplars are dropped: prometheus_client
+keeps none in its shared files. Ray's histograms take none either.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from kvcompose.metrics.histograms import replay_cell
+from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferTable
+
+
+@dataclass
+class _Lane:
+    """The series of one engine, child and direction."""
+
+    duration: Any
+    moved_bytes: Any
+    in_flight: Any
+    failures: tuple[Any, ...]  # by outcome, in FAILURES' order
+    in_flight_now: int = 0  # the sum of the changes this process received
+
+
+class TransferSeries:
+    def __init__(
+        self,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        children: Sequence[str],
+        bounds: Sequence[float],
+    ) -> None:
+        """``labelnames``: vLLM's and the child's (``connector``); ``direction`` is added."""
+        names = [*labelnames, "direction"]
+        duration = metric_types[Histogram](
+            "kvcompose_transfer_duration_seconds",
+            "Duration of each child's KV transfers (loads and saves), from start to done, failed or aborted.",
+            labelnames=names,
+            buckets=list(bounds),
+        )
+        moved_bytes = metric_types[Counter](
+            "kvcompose_transfer_bytes_total", "Bytes of KV each child's transfers moved.", labelnames=names
+        )
+        # Each API server adds up the changes it received; the engine's count is their sum,
+        # dead processes' shares included (a transfer may start in one share and end in another).
+        in_flight = metric_types[Gauge](
+            "kvcompose_transfers_in_flight",
+            "Each child's KV transfers started and not yet ended.",
+            labelnames=names,
+            multiprocess_mode="sum",
+        )
+        failed = metric_types[Counter](
+            "kvcompose_transfers_failed_total",
+            "Each child's KV transfers that failed or were aborted, by outcome.",
+            labelnames=[*names, "outcome"],
+        )
+        self._children = tuple(children)
+        self._bounds = tuple(bounds)
+        self._lanes: dict[int, list[_Lane]] = {}
+        for engine_idx, engine_labels in per_engine_labelvalues.items():
+            lanes = self._lanes[engine_idx] = []
+            for child in children:
+                for direction in DIRECTIONS:
+                    labels = (*engine_labels, child, direction)
+                    lane = _Lane(duration.labels(*labels), moved_bytes.labels(*labels), in_flight.labels(*labels),
+                                 tuple(failed.labels(*labels, outcome) for outcome in FAILURES))
+                    lane.in_flight.set(0)
+                    lanes.append(lane)
+        some_lane = next(iter(self._lanes.values()))[0]
+        self._exemplars = "exemplar" in inspect.signature(some_lane.duration.observe).parameters
+
+    def observe(self, table: TransferTable, engine_idx: int) -> None:
+        if table.children != self._children or table.buckets != len(self._bounds) + 1:
+            raise ValueError(
+                f"kvcompose: transfer stats of another pipeline ({table.children}, {table.buckets} buckets) reached "
+                f"the metrics of {self._children} ({len(self._bounds) + 1} buckets)"
+            )
+        lanes = self._lanes[engine_idx]
+        for cell, (count, seconds) in table.cells.items():
+            lane, bucket = divmod(cell, table.buckets)
+            exemplar = table.exemplars.get(cell) if self._exemplars else None
+            replay_cell(lanes[lane].duration, self._bounds, bucket, count, seconds,
+                        None if exemplar is None else (exemplar[1], exemplar[2]))
+        for lane, moved, change in zip(lanes, table.moved_bytes, table.in_flight, strict=True):
+            if moved:
+                lane.moved_bytes.inc(moved)
+            if change:
+                lane.in_flight_now += change
+                lane.in_flight.set(lane.in_flight_now)  # Ray's gauges have no inc()
+        for index, failed in enumerate(table.failures):
+            if failed:
+                lane_index, outcome = divmod(index, len(FAILURES))
+                lanes[lane_index].failures[outcome].inc(failed)

@@ -1,0 +1,222 @@
+"""Per-transfer stats: each child's KV loads and saves, one transfer at a time.
+
+A transfer is one load or save of a request's KV by one child, from the
+moment it starts to the moment the child reports it done, failed or aborted
+(the composite decides when; see kvcompose.connectors). The process's
+:class:`TransferRecorder` hears of each start and end; vLLM takes its
+:class:`TransferTable` with the step's stats, merges the tables of the
+workers and the scheduler, and hands the sum to the front-end.
+
+A table holds, per lane (one child and one direction):
+
+- duration cells, one per histogram bucket: transfers and summed seconds, so
+  Prometheus gets exact bucket counts and an exact ``_sum``;
+- the bytes moved;
+- the change in transfers in flight (started less ended): the front-end adds
+  the changes up into its gauge;
+- the transfers that failed or were aborted;
+- per duration cell, the latest transfer with a trace id (its time, id and
+  seconds), the exemplar that links a slow bucket to its trace.
+
+So its size is bounded by the pipeline (children x 2 x buckets), whatever the
+traffic.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Sequence
+from operator import add
+from typing import Any, Literal
+
+from kvcompose.metrics.table import Cells, add_cells
+
+Direction = Literal["load", "save"]
+Outcome = Literal["ok", "failed", "aborted"]
+
+DIRECTIONS: tuple[Direction, ...] = ("load", "save")
+# The outcomes counted as failures, in the order a table keeps them.
+FAILURES: tuple[Outcome, ...] = ("failed", "aborted")
+
+# Duration cell -> [unix time, trace id, seconds]: in that order, the later of two exemplars
+# compares greater (ties broken by trace id and seconds, so any merge order keeps the same one).
+Exemplars = dict[int, list[Any]]
+
+_DIRECTION_INDEX = {direction: index for index, direction in enumerate(DIRECTIONS)}
+_FAILURE_INDEX = {outcome: index for index, outcome in enumerate(FAILURES)}
+
+
+class TransferTable:
+    """Every child's transfers since the last report, by lane (child and direction)."""
+
+    def __init__(
+        self, children: Sequence[str], buckets: int, cells: Cells | None = None, moved_bytes: list[int] | None = None,
+        in_flight: list[int] | None = None, failures: list[int] | None = None, exemplars: Exemplars | None = None,
+    ) -> None:
+        self.children = tuple(children)
+        self.buckets = buckets
+        lanes = len(self.children) * len(DIRECTIONS)
+        self.cells: Cells = cells if cells is not None else {}  # lane * buckets + bucket -> [transfers, seconds]
+        self.moved_bytes = moved_bytes if moved_bytes is not None else [0] * lanes
+        self.in_flight = in_flight if in_flight is not None else [0] * lanes  # started less ended
+        self.failures = failures if failures is not None else [0] * (lanes * len(FAILURES))
+        self.exemplars: Exemplars = exemplars if exemplars is not None else {}
+
+    def lane(self, index: int) -> tuple[str, Direction]:
+        """The (child, direction) of lane ``index``."""
+        row, column = divmod(index, len(DIRECTIONS))
+        return self.children[row], DIRECTIONS[column]
+
+    def add(self, other: TransferTable) -> None:
+        """Add ``other``'s transfers into this table (``other`` is not modified)."""
+        if other.children != self.children or other.buckets != self.buckets:
+            raise ValueError(
+                f"kvcompose: cannot merge transfer tables of different pipelines ({self.children} with "
+                f"{self.buckets} buckets, {other.children} with {other.buckets})"
+            )
+        add_cells(self.cells, other.cells)
+        self.moved_bytes = list(map(add, self.moved_bytes, other.moved_bytes))
+        self.in_flight = list(map(add, self.in_flight, other.in_flight))
+        self.failures = list(map(add, self.failures, other.failures))
+        for cell, exemplar in other.exemplars.items():
+            mine = self.exemplars.get(cell)
+            if mine is None or exemplar > mine:
+                self.exemplars[cell] = exemplar  # exemplars are replaced, never changed: sharing is safe
+
+    def is_empty(self) -> bool:
+        return not (self.cells or any(self.moved_bytes) or any(self.in_flight) or any(self.failures))
+
+    # ---- reading one lane ----
+
+    def _lane_index(self, child: str, direction: Direction) -> int:
+        return self.children.index(child) * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
+
+    def transfers(self, child: str, direction: Direction) -> int:
+        """Transfers that ended, whatever their outcome."""
+        first = self._lane_index(child, direction) * self.buckets
+        return sum(count for cell, (count, _) in self.cells.items() if first <= cell < first + self.buckets)
+
+    def failed(self, child: str, direction: Direction, outcome: Outcome) -> int:
+        return self.failures[self._lane_index(child, direction) * len(FAILURES) + _FAILURE_INDEX[outcome]]
+
+    def bytes_moved(self, child: str, direction: Direction) -> int:
+        return self.moved_bytes[self._lane_index(child, direction)]
+
+    def in_flight_change(self, child: str, direction: Direction) -> int:
+        return self.in_flight[self._lane_index(child, direction)]
+
+    def reduce(self) -> dict[str, int | float]:
+        """Transfers, mean ms, bytes and failures per child and direction, for vLLM's periodic log."""
+        totals: dict[int, list[Any]] = {}  # lane -> [transfers, seconds]
+        for cell, (count, seconds) in self.cells.items():
+            lane_total = totals.setdefault(cell // self.buckets, [0, 0.0])
+            lane_total[0] += count
+            lane_total[1] += seconds
+        reduced: dict[str, int | float] = {}
+        for lane in range(len(self.moved_bytes)):
+            child, direction = self.lane(lane)
+            count, seconds = totals.get(lane, (0, 0.0))
+            failures = self.failures[lane * len(FAILURES):(lane + 1) * len(FAILURES)]
+            if not (count or self.moved_bytes[lane] or any(failures)):
+                continue
+            prefix = f"{child}.{direction}"
+            reduced[f"{prefix}.transfers"] = count
+            if count:
+                reduced[f"{prefix}.mean_ms"] = round(1000 * seconds / count, 4)
+            reduced[f"{prefix}.bytes"] = self.moved_bytes[lane]
+            for outcome, failed in zip(FAILURES, failures, strict=True):
+                if failed:
+                    reduced[f"{prefix}.{outcome}"] = failed
+        return reduced
+
+    # ---- crossing processes as plain data ----
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "children": list(self.children), "directions": list(DIRECTIONS), "failure_outcomes": list(FAILURES),
+            "buckets": self.buckets, "cells": list(self.cells), "transfers": [e[0] for e in self.cells.values()],
+            "seconds": [e[1] for e in self.cells.values()], "bytes": list(self.moved_bytes),
+            "in_flight": list(self.in_flight), "failures": list(self.failures),
+            "exemplars": [[cell, *exemplar] for cell, exemplar in self.exemplars.items()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransferTable:
+        if tuple(data["directions"]) != DIRECTIONS or tuple(data["failure_outcomes"]) != FAILURES:
+            raise ValueError(
+                "kvcompose: transfer stats from a different kvcompose version (directions or outcomes differ); "
+                "run one kvcompose version across the engine and its front-end"
+            )
+        cells = {cell: [count, seconds] for cell, count, seconds in
+                 zip(data["cells"], data["transfers"], data["seconds"], strict=True)}
+        exemplars = {cell: [at, trace_id, seconds] for cell, at, trace_id, seconds in data["exemplars"]}
+        return cls(data["children"], data["buckets"], cells, list(data["bytes"]), list(data["in_flight"]),
+                   list(data["failures"]), exemplars)
+
+    @classmethod
+    def from_payload(cls, payload: TransferTable | dict[str, Any]) -> TransferTable:
+        """The table itself, or rebuilt from its dict after a process hop."""
+        return payload if isinstance(payload, TransferTable) else cls.from_dict(payload)
+
+
+class TransferRecorder:
+    """This process's transfers since the last :meth:`take`; records nothing when metrics are off.
+
+    ``started`` and ``ended`` may be called from any thread (a child may report
+    a transfer done from its own), so they hold a lock: a few hundred ns per
+    transfer, not per layer.
+    """
+
+    def __init__(self, enabled: bool, child_names: Sequence[str], bounds: Sequence[float]) -> None:
+        self.enabled = enabled
+        self._children = tuple(child_names)
+        self._bounds = tuple(bounds)
+        self._buckets = len(self._bounds) + 1
+        self._lock = threading.Lock()
+        self._table = self._empty()
+
+    def _empty(self) -> TransferTable:
+        return TransferTable(self._children, self._buckets)
+
+    def started(self, child: int, direction: Direction) -> None:
+        """Child ``child`` (its index in the pipeline) began a transfer."""
+        if not self.enabled:
+            return
+        lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
+        with self._lock:
+            self._table.in_flight[lane] += 1
+
+    def ended(
+        self, child: int, direction: Direction, seconds: float, nbytes: int, outcome: Outcome, trace_id: str | None,
+    ) -> None:
+        """A transfer of child ``child`` ended after ``seconds``, having moved ``nbytes`` (whatever the outcome:
+        pass what moved). ``trace_id`` (32 hex digits), when the transfer was traced, becomes its bucket's exemplar."""
+        if not self.enabled:
+            return
+        lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
+        cell = lane * self._buckets + bisect_left(self._bounds, seconds)  # Prometheus' le: bound inclusive
+        failure = None if outcome == "ok" else lane * len(FAILURES) + _FAILURE_INDEX[outcome]
+        exemplar = [time.time(), trace_id, seconds] if trace_id else None
+        with self._lock:
+            table = self._table
+            table.in_flight[lane] -= 1
+            if (entry := table.cells.get(cell)) is None:
+                table.cells[cell] = [1, seconds]
+            else:
+                entry[0] += 1
+                entry[1] += seconds
+            table.moved_bytes[lane] += nbytes
+            if failure is not None:
+                table.failures[failure] += 1
+            if exemplar is not None:
+                table.exemplars[cell] = exemplar
+
+    def take(self) -> TransferTable | None:
+        """The transfers since the last take, then start afresh; None if none ended and none started."""
+        with self._lock:
+            if self._table.is_empty():
+                return None
+            table, self._table = self._table, self._empty()
+        return table
