@@ -27,6 +27,7 @@ ALLOWED_ATTRIBUTES = {
     attr.CONNECTOR_NAME, attr.CONNECTOR_INDEX, attr.CONNECTOR_CLASS, attr.ROLE, attr.PIPELINE, attr.REQUEST_ID,
     attr.COMPUTED_TOKENS, attr.MATCHED_TOKENS, attr.EXTERNAL_TOKENS, attr.LOAD_ASYNC, attr.SAVE_ASYNC, attr.BLOCKS,
     attr.LOADED_BY, attr.REQUESTS, attr.LAYER, attr.FINISHED_SENDING, attr.FINISHED_RECVING, attr.ERROR_TYPE,
+    attr.TRANSFER_DIRECTION, attr.TRANSFER_BLOCKS, attr.TRANSFER_BYTES, attr.TRANSFER_OUTCOME,
 }
 
 
@@ -78,13 +79,14 @@ def test_request_granularity_joins_the_incoming_trace(vllm_config_with: Callable
     spans = exporter.get_finished_spans()
     named = _by_name(spans)
     assert set(named) == {"kvcompose.request", "kvcompose.lookup", "kvcompose.update_state_after_alloc",
-                          "kvcompose.load", "kvcompose.save", "kvcompose.request_finished"}
+                          "kvcompose.load", "kvcompose.save", "kvcompose.request_finished", "kvcompose.transfer"}
     assert {format(span.context.trace_id, "032x") for span in spans} == {TRACE_ID}
 
     (request_span,) = named["kvcompose.request"]
     assert format(request_span.parent.span_id, "016x") == PARENT_ID
     assert request_span.attributes[attr.LOADED_BY] == "cold"
-    for name in ("kvcompose.lookup", "kvcompose.load", "kvcompose.save", "kvcompose.request_finished"):
+    for name in ("kvcompose.lookup", "kvcompose.load", "kvcompose.save", "kvcompose.request_finished",
+                 "kvcompose.transfer"):
         assert {span.parent.span_id for span in named[name]} == {request_span.context.span_id}, name
         assert {span.attributes[attr.REQUEST_ID] for span in named[name]} == {"r1"}
 

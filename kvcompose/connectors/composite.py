@@ -52,11 +52,14 @@ from kvcompose.connectors.ledger import SchedulerLedger, WorkerLedger
 from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
 from kvcompose.connectors.pairing import PairingCheck, PipelineShape
 from kvcompose.connectors.policies import POLICIES
+from kvcompose.connectors.transfers import TransferTracker, bytes_per_block, is_first_worker
 from kvcompose.logs import configure_logging, get_logger
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.prometheus import KVComposePromMetrics
 from kvcompose.metrics.recorder import DENSE_FROM_WORKERS, PipelineRecorder
-from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY, KVComposeStats
+from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY, TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
+from kvcompose.metrics.telemetry import TelemetryCounters
+from kvcompose.metrics.transfers import TransferRecorder
 from kvcompose.tracing import pipeline_tracer
 
 logger = get_logger("connector")
@@ -111,6 +114,15 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._pairing = PairingCheck(shape)  # a prefill/decode pair's pipelines must match
         self._scheduler_ledger = SchedulerLedger(vllm_config.cache_config.block_size)
         self._worker_ledger = WorkerLedger()
+        observed = self.pipeline.metrics.enabled or self.pipeline.tracing.enabled
+        self._note_saves = observed and role is KVConnectorRole.SCHEDULER
+        self._transfer_recorder = TransferRecorder(
+            self.pipeline.metrics.enabled, [c.name for c in self.children], self.pipeline.metrics.transfer_buckets)
+        self._transfers = TransferTracker(
+            [c.spec for c in self.children], self._guards,
+            bytes_per_block(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size),
+            self._transfer_recorder, self._tracing,
+        ) if observed and role is KVConnectorRole.WORKER and is_first_worker() else None
 
     def _wrap_child_call(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
         """Where each child operation is wrapped, once, at start-up: timing
@@ -151,12 +163,16 @@ class KVComposeConnector(KVConnectorBase_V1):
         child saves a layer until the step ends."""
         if self._layer_saves and any(not plan.load_async for plan in plans):
             self._layer_saves = ()
+            if self._transfers is not None:
+                self._transfers.saves_skipped()
             logger.warning("layer saves skipped for this step after a failed load",
                            connector=sorted({self.children[plan.child].name for plan in plans}))
 
     def request_state_sizes(self) -> dict[str, int]:
         """Sizes of the per-request maps that are not empty; none should outlive its requests."""
         sizes = {**self._scheduler_ledger.sizes(), **self._worker_ledger.sizes()}
+        if self._transfers is not None:
+            sizes.update(self._transfers.sizes())
         if self._tracing.open_requests:
             sizes["traced_requests"] = self._tracing.open_requests
         return sizes
@@ -204,6 +220,10 @@ class KVComposeConnector(KVConnectorBase_V1):
         assert isinstance(connector_metadata, KVComposeMetadata)
         self._loads_failed(self._worker_ledger.begin_step(connector_metadata))
         self._tracing.begin_step(connector_metadata.traced_requests, connector_metadata.loads)
+        if (transfers := self._transfers) is not None:
+            transfers.begin_step(connector_metadata)
+            if transfers.waits_for_loads:  # the step's last layer wait ends its sync loads
+                self._layer_loads += (transfers.layer_waited,)
         for child, metadata in zip(self.children, connector_metadata.per_child, strict=True):
             if child.bind_connector_metadata(metadata) is FAILED:
                 self._fail_loads(child.index)
@@ -215,6 +235,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         super().clear_connector_metadata()
         self._worker_ledger.end_step()
         self._bind_layer_calls()
+        if self._transfers is not None:
+            self._transfers.end_step()
         self._tracing.end_step()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -248,6 +270,8 @@ class KVComposeConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         for child in self._savers:
             child.wait_for_save()
+        if self._transfers is not None:
+            self._transfers.saves_waited()
 
     def finish_forward(self) -> None:
         for child in self.children:
@@ -266,12 +290,20 @@ class KVComposeConnector(KVConnectorBase_V1):
         last async saver reports it. A child that failed gives up what it owes:
         its saves count as done, its receives as failed (vLLM recomputes)."""
         results = KVConnectorTransferResults()
+        transfers = self._transfers
         for child in self.children:
             child_results = child.get_transfer_results(finished_req_ids)
             if child_results is FAILED:
                 child_results = self._worker_ledger.given_up(child.index)
+                if transfers is not None:
+                    transfers.results(child.index, None, finished_req_ids)
+            elif transfers is not None:
+                transfers.results(child.index, child_results, finished_req_ids)
             self._worker_ledger.settle(child.index, child_results, into=results)
         self._worker_ledger.take_failed_recvs(into=results)
+        if transfers is not None:
+            transfers.loads_given_back(results.failed_recving)
+        self._tracing.requests_finished(finished_req_ids)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -289,6 +321,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         load_errors, given_back = self._worker_ledger.take_load_errors()
         for index, blocks in given_back.items():
             self._recorder.count_load_errors(self.children[index].name, len(blocks - reported.get(index, set())))
+        if self._transfers is not None:
+            self._transfers.load_errors(failed | load_errors)
         return failed | load_errors
 
     def get_finished_count(self) -> int | None:
@@ -309,6 +343,9 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         per_child = tuple(child.build_connector_worker_meta() for child in self.children)
+        if self._transfers is not None:
+            for index, metadata in enumerate(per_child):
+                self._transfers.worker_meta(index, metadata)
         if all(metadata is None for metadata in per_child):
             return None
         return KVComposeWorkerMetadata(per_child=per_child)
@@ -316,13 +353,24 @@ class KVComposeConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """kvcompose's per-child call stats plus each child's own stats, since the last call."""
         calls = self._recorder.take()  # None, or a table of at least one call
+        transfers = self._transfer_recorder.take()
+        telemetry = self._span_telemetry()
         breakers = {child.name: report for child, guard in zip(self.children, self._guards, strict=True)
                     if (report := guard.take_report()) is not None}
         native = {child.name: NativeStats(child.class_path, child_stats) for child in self.children
                   if (child_stats := child.get_kv_connector_stats()) is not None and not child_stats.is_empty()}
-        if calls is None and not breakers and not native:
+        if calls is None and transfers is None and telemetry is None and not breakers and not native:
             return None
-        return KVComposeStats(data={CALLS_KEY: calls, BREAKERS_KEY: breakers, NATIVE_KEY: native})
+        return KVComposeStats(data={CALLS_KEY: calls, TRANSFERS_KEY: transfers, TELEMETRY_KEY: telemetry,
+                                    BREAKERS_KEY: breakers, NATIVE_KEY: native})
+
+    def _span_telemetry(self) -> TelemetryCounters | None:
+        """Spans this process dropped since the last report, and those waiting for export (when tracing)."""
+        if not (self.pipeline.metrics.enabled and self.pipeline.tracing.enabled):
+            return None
+        dropped, queued = self._tracing.telemetry()
+        counters = TelemetryCounters(dropped, queued)
+        return None if not dropped and not queued else counters
 
     # ==============================
     # Scheduler-side methods
@@ -386,6 +434,9 @@ class KVComposeConnector(KVConnectorBase_V1):
             per_child.append(child_metadata)
         metadata = KVComposeMetadata(per_child=tuple(per_child))
         self._scheduler_ledger.fill(metadata)
+        if self._note_saves:
+            metadata.saves = {new.req_id: len(new.block_ids[0]) if new.block_ids else 0
+                              for new in scheduler_output.scheduled_new_reqs} or None
         metadata.traced_requests = self._tracing.step_requests(scheduler_output, metadata.loads)
         return metadata
 
@@ -472,6 +523,8 @@ class KVComposeConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         """Shut every child down, then re-raise the last failure, if any."""
         failure: Exception | None = None
+        if self._transfers is not None:
+            self._transfers.close()
         self._tracing.close()
         for child in self.children:
             try:

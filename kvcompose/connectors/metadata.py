@@ -31,6 +31,8 @@ class KVComposeMetadata(KVConnectorMetadata):
     # knows will not happen (the child failed while accepting them).
     loads: dict[str, LoadPlan] | None = None
     cancelled_loads: dict[str, LoadPlan] | None = None
+    # Requests in their first step -> their blocks: saved now (for transfer tracking).
+    saves: dict[str, int] | None = None
     # The step's sampled requests, so worker-side spans join their traces.
     traced_requests: tuple[TracedRequest, ...] | None = None
 

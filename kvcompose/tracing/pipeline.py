@@ -333,7 +333,7 @@ class PipelineTracer:
             self._live.pop(req_id, None)
 
     def transfer(
-        self, context: SpanContextIds, spec: ChildSpec, direction: str, start_ns: int, end_ns: int,
+        self, context: SpanContextIds, spec: ChildSpec, request_id: str, direction: str, start_ns: int, end_ns: int,
         blocks: int, nbytes: int, outcome: str,
     ) -> None:
         """A ``kvcompose.transfer`` span: one request, one child, one direction, start to completion."""
@@ -341,8 +341,8 @@ class PipelineTracer:
             template = self._transfer_templates[spec.index] = self._shipper.templates.register(
                 "kvcompose.transfer", self._child_attributes(spec),
                 (attr.TRANSFER_DIRECTION, attr.TRANSFER_BLOCKS, attr.TRANSFER_BYTES, attr.TRANSFER_OUTCOME))
-        self._records.append((template, context.trace_id, IDS.span_id(), context.span_id, start_ns, end_ns, None,
-                              (direction, blocks, nbytes, outcome), None if outcome == "ok" else
+        self._records.append((template, context.trace_id, IDS.span_id(), context.span_id, start_ns, end_ns,
+                              request_id, (direction, blocks, nbytes, outcome), None if outcome == "ok" else
                               f"kvcompose.transfer_{outcome}", (), ()))
 
     def breaker_changed(self, connector: str, state: str) -> None:

@@ -1,0 +1,266 @@
+"""Transfers: one request, one child, one direction, from the step that issues it to its completion.
+
+A child call returns long before an asynchronous child's copy is done, so
+transfers are tracked apart from calls, on the worker, by how each kind of
+child reports completion:
+
+- **sync** (ExampleConnector, most storage connectors): a load completes at
+  the end of the step's load wait (the last ``wait_for_layer_load``, which for
+  layer-wise loaders overlaps the forward pass); a save of a request in its
+  first step completes when that step's ``wait_for_save`` returns.
+- **async loads** (any child that answered ``load_async``): from the step that
+  issues the load until ``get_transfer_results`` names the request.
+- **finish** (NIXL): the send to a decode server is a save from the request's
+  end until the child reports it in ``finished_sending``.
+- **jobs** (vLLM's OffloadingConnector): each load or store job its metadata
+  issues, until the job appears in its worker metadata's ``completed_jobs``.
+
+A transfer ends ``failed`` when its child failed in that step or reported
+the load failed, and ``aborted`` when vLLM finished its request first or it
+outlived :data:`EXPIRY_S`. Each ended transfer is one ``kvcompose.transfer``
+span (traced requests) and one observation of the transfer metrics. With
+tensor parallelism only the first worker tracks, and bytes count every
+worker's shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from time import monotonic, time_ns
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvcompose.logs import get_logger
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvcompose.connectors.children import ChildSpec
+    from kvcompose.connectors.isolation import ChildGuard
+    from kvcompose.connectors.metadata import KVComposeMetadata
+    from kvcompose.metrics.transfers import TransferRecorder
+    from kvcompose.tracing.pipeline import NoTracing, PipelineTracer, SpanContextIds
+
+logger = get_logger("transfers")
+
+Mode = Literal["sync", "finish", "jobs"]
+EXPIRY_S = 600.0  # an open transfer older than this ends as aborted
+_EXPIRY_CHECK_S = 1.0
+
+# How a child reports completion, by its class (or a base class) name.
+_MODES: dict[str, Mode] = {
+    "OffloadingConnector": "jobs",
+    "NixlConnector": "finish",
+}
+
+
+def completion_mode(connector_cls: type) -> Mode:
+    for cls in connector_cls.__mro__:
+        if (mode := _MODES.get(cls.__name__)) is not None:
+            return mode
+    return "sync"
+
+
+def is_first_worker() -> bool:
+    """True on the first tensor-parallel worker (the one that tracks transfers), or without TP."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0
+    except Exception:  # no parallel state (a connector built outside an engine)
+        return True
+
+
+def bytes_per_block(kv_cache_config: KVCacheConfig | None, tensor_parallel_size: int) -> int:
+    """Bytes of one block over every layer of every KV cache group, across the engine's TP workers."""
+    if kv_cache_config is None:
+        return 0
+    per_worker = sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+                     for group in kv_cache_config.kv_cache_groups)
+    return per_worker * tensor_parallel_size
+
+
+@dataclass(slots=True)
+class _Transfer:
+    child: int
+    direction: Literal["load", "save"]
+    req_id: str
+    blocks: int
+    start_ns: int
+    started: float  # monotonic, for expiry
+    context: SpanContextIds | None
+    aborted: bool = False
+
+
+class TransferTracker:
+    """The transfers of one worker-side composite; see the module docstring."""
+
+    def __init__(
+        self, specs: Sequence[ChildSpec], guards: Sequence[ChildGuard], block_bytes: int,
+        recorder: TransferRecorder, tracer: PipelineTracer | NoTracing,
+    ) -> None:
+        self._specs = specs
+        self._guards = guards
+        self._modes = [completion_mode(spec.connector_cls) for spec in specs]
+        self._savers = [spec.index for spec in specs if spec.config.save and self._modes[spec.index] == "sync"]
+        self._block_bytes = block_bytes
+        self._recorder = recorder
+        self._tracer = tracer
+        self._step_loads: list[_Transfer] = []  # sync loads of the bound step
+        self._step_saves: list[_Transfer] = []  # sync saves of the bound step
+        self._load_end_ns = 0  # the step's last layer wait
+        self._failures_at_bind: list[int] = []
+        self._load_error_blocks: set[int] = set()
+        self._step_load_blocks: dict[str, tuple[int, ...]] = {}
+        self._open: dict[tuple[int, str, str], _Transfer] = {}  # (child, request or job id, direction)
+        self._next_expiry_check = 0.0
+
+    # ---- the step ----
+
+    def begin_step(self, metadata: KVComposeMetadata) -> None:
+        """Open the transfers the step's metadata issues."""
+        self._failures_at_bind = [guard.failures for guard in self._guards]
+        for req_id, plan in (metadata.loads or {}).items():
+            if self._modes[plan.child] == "jobs":
+                continue  # its jobs say more, below
+            transfer = self._start(plan.child, "load", req_id, len(plan.block_ids))
+            if plan.load_async:
+                self._open[(plan.child, req_id, "load")] = transfer
+            else:
+                self._step_loads.append(transfer)
+                self._step_load_blocks[req_id] = plan.block_ids
+        for req_id, blocks in (metadata.saves or {}).items():
+            self._step_saves += [self._start(child, "save", req_id, blocks) for child in self._savers]
+        for req_id, savers in (metadata.async_saves or {}).items():
+            for child in savers:
+                if self._modes[child] == "finish":
+                    self._open[(child, req_id, "save")] = self._start(child, "save", req_id, 0)
+        for child, child_metadata in enumerate(metadata.per_child):
+            if self._modes[child] == "jobs" and child_metadata is not None:
+                self._start_jobs(child, child_metadata)
+
+    @property
+    def waits_for_loads(self) -> bool:
+        """True when the step has sync loads, whose end :meth:`layer_waited` marks."""
+        return bool(self._step_loads)
+
+    def layer_waited(self, layer_name: str) -> None:
+        self._load_end_ns = time_ns()
+
+    def saves_waited(self) -> None:
+        """The step's ``wait_for_save`` returned: its sync saves are done."""
+        end = time_ns()
+        for transfer in self._step_saves:
+            self._end(transfer, end, "failed" if self._failed_this_step(transfer.child) else "ok")
+        self._step_saves = []
+
+    def saves_skipped(self) -> None:
+        """The composite stopped this step's layer saves (a load failed): its sync saves are aborted."""
+        end = time_ns()
+        for transfer in self._step_saves:
+            self._end(transfer, end, "aborted")
+        self._step_saves = []
+
+    def load_errors(self, blocks: set[int]) -> None:
+        self._load_error_blocks |= blocks
+
+    def end_step(self) -> None:
+        end = self._load_end_ns or time_ns()
+        for transfer in self._step_loads:
+            failed = self._failed_this_step(transfer.child) or not self._load_error_blocks.isdisjoint(
+                self._step_load_blocks.get(transfer.req_id, ()))
+            self._end(transfer, end, "failed" if failed else "ok")
+        for transfer in self._step_saves:  # no wait_for_save this step
+            self._end(transfer, end, "aborted")
+        self._step_loads, self._step_saves, self._step_load_blocks = [], [], {}
+        self._load_end_ns = 0
+        self._load_error_blocks = set()
+        self._expire()
+
+    # ---- completions reported by children ----
+
+    def results(self, child: int, results: KVConnectorTransferResults | None, finished_req_ids: set[str]) -> None:
+        """One child's transfer results (None: the child failed and gave up what it owed)."""
+        if results is None:
+            self._end_all_of(child, "failed")
+            return
+        end = time_ns()
+        for req_id in results.finished_sending:
+            if (transfer := self._open.pop((child, req_id, "save"), None)) is not None:
+                self._end(transfer, end, "ok")
+        for req_id in results.finished_recving:
+            if (transfer := self._open.pop((child, req_id, "load"), None)) is not None:
+                failed = req_id in results.failed_recving
+                self._end(transfer, end, "failed" if failed else "aborted" if transfer.aborted else "ok")
+        for req_id in finished_req_ids:  # finished by vLLM (aborted) while its load runs
+            if (transfer := self._open.get((child, req_id, "load"))) is not None:
+                transfer.aborted = True
+
+    def worker_meta(self, child: int, worker_meta: Any) -> None:
+        """A ``jobs`` child's worker metadata: the jobs it completed."""
+        if self._modes[child] != "jobs" or worker_meta is None:
+            return
+        end = time_ns()
+        for job_id in getattr(worker_meta, "completed_jobs", None) or ():
+            for direction in ("load", "save"):
+                if (transfer := self._open.pop((child, str(job_id), direction), None)) is not None:
+                    self._end(transfer, end, "ok")
+
+    def loads_given_back(self, req_ids: set[str]) -> None:
+        """kvcompose reported these async loads failed (their child failed)."""
+        end = time_ns()
+        for key in [key for key in self._open if key[1] in req_ids and key[2] == "load"]:
+            self._end(self._open.pop(key), end, "failed")
+
+    def close(self) -> None:
+        """Engine shutting down: what is still open ends as aborted."""
+        for child in range(len(self._specs)):
+            self._end_all_of(child, "aborted")
+
+    def sizes(self) -> dict[str, int]:
+        entries = {"open_transfers": self._open, "step_transfers": self._step_loads + self._step_saves}
+        return {name: len(entries) for name, entries in entries.items() if entries}
+
+    # ---- helpers ----
+
+    def _start_jobs(self, child: int, child_metadata: Any) -> None:
+        jobs: Mapping[Any, Any] | None
+        for direction, jobs, gpu_side in (("load", getattr(child_metadata, "load_jobs", None), "dst_spec"),
+                                          ("save", getattr(child_metadata, "store_jobs", None), "src_spec")):
+            for job_id, job in (jobs or {}).items():
+                blocks = len(getattr(getattr(job, gpu_side, None), "block_ids", ()))
+                self._open[(child, str(job_id), direction)] = self._start(child, direction, job.req_id, blocks)
+
+    def _start(self, child: int, direction: Literal["load", "save"], req_id: str, blocks: int) -> _Transfer:
+        self._recorder.started(child, direction)
+        return _Transfer(child, direction, req_id, blocks, time_ns(), monotonic(), self._tracer.request_context(req_id))
+
+    def _end(self, transfer: _Transfer, end_ns: int, outcome: Literal["ok", "failed", "aborted"]) -> None:
+        nbytes = transfer.blocks * self._block_bytes
+        seconds = max(0, end_ns - transfer.start_ns) / 1e9
+        context = transfer.context
+        self._recorder.ended(transfer.child, transfer.direction, seconds, nbytes, outcome,
+                             None if context is None else format(context.trace_id, "032x"))
+        if context is not None:
+            self._tracer.transfer(context, self._specs[transfer.child], transfer.req_id, transfer.direction,
+                                  transfer.start_ns, end_ns, transfer.blocks, nbytes, outcome)
+
+    def _failed_this_step(self, child: int) -> bool:
+        return bool(self._failures_at_bind) and self._guards[child].failures != self._failures_at_bind[child]
+
+    def _end_all_of(self, child: int, outcome: Literal["ok", "failed", "aborted"]) -> None:
+        end = time_ns()
+        for key in [key for key in self._open if key[0] == child]:
+            self._end(self._open.pop(key), end, outcome)
+
+    def _expire(self) -> None:
+        now = monotonic()
+        if not self._open or now < self._next_expiry_check:
+            return
+        self._next_expiry_check = now + _EXPIRY_CHECK_S
+        expired = [key for key, transfer in self._open.items() if now - transfer.started > EXPIRY_S]
+        for key in expired:
+            self._end(self._open.pop(key), time_ns(), "aborted")
+        if expired:
+            logger.warning("transfers expired without completing", transfers=len(expired), expiry_s=EXPIRY_S)

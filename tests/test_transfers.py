@@ -1,0 +1,140 @@
+"""Transfers tracked by the composite: spans with real start and end, outcomes, nothing left behind.
+
+Driven step by step over scripted children, as vLLM orders the calls; the
+real engines (OffloadingConnector, NIXL) are in the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from kvcompose.testing import recording
+from kvcompose.testing.steps import forward_step
+from kvcompose.tracing import attributes as attr
+from kvcompose.tracing import set_span_exporter
+
+from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
+
+TRACEPARENT = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    set_span_exporter(exporter)
+    yield exporter
+    set_span_exporter(None)
+
+
+def _pair(vllm_config_with: Callable, scripts: dict[str, dict[str, Any]]) -> tuple[Any, Any]:
+    children = []
+    for name, script in scripts.items():
+        recording.CALL_LOGS.pop(f"transfers/{name}", None)
+        children.append({"name": name, **RECORDING, "config": {"log": f"transfers/{name}", "script": script}})
+    pipeline = {"version": 1, "name": "xfer", "tracing": {"enabled": True}, "children": children}
+    return composite_pair(vllm_config_with, pipeline)
+
+
+def _step(scheduler: Any, worker: Any, new: list[Any] = (), finished: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=new, blocks=[1, 2, 3])))
+    forward_step(worker, finished=finished)
+    worker.clear_connector_metadata()
+
+
+def _finish(scheduler: Any, worker: Any, request: Any) -> None:
+    """The request ends; the next step tells the workers, as vLLM does."""
+    scheduler.request_finished(request, [1, 2, 3])
+    _step(scheduler, worker, finished={request.request_id})
+
+
+def _admit(scheduler: Any, request: Any) -> None:
+    tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, make_blocks(1, 2, 3), tokens or 0)
+
+
+def _transfers(exporter: InMemorySpanExporter) -> list[ReadableSpan]:
+    return [span for span in exporter.get_finished_spans() if span.name == "kvcompose.transfer"]
+
+
+def _described(span: ReadableSpan) -> tuple[str, str, str]:
+    a = span.attributes
+    return a[attr.CONNECTOR_NAME], a[attr.TRANSFER_DIRECTION], a[attr.TRANSFER_OUTCOME]
+
+
+def test_sync_load_and_saves_are_transfers_in_the_requests_trace(vllm_config_with: Callable, exporter: Any) -> None:
+    scheduler, worker = _pair(vllm_config_with, {"hot": {}, "cold": {"matches": {"r1": [[32, False]]}}})
+    request = make_request("r1", TRACEPARENT)
+    _admit(scheduler, request)
+    _step(scheduler, worker, new=[request])
+    _finish(scheduler, worker, request)
+
+    spans = exporter.get_finished_spans()
+    (request_span,) = [span for span in spans if span.name == "kvcompose.request"]
+    transfers = _transfers(exporter)
+    assert sorted(map(_described, transfers)) == [
+        ("cold", "load", "ok"), ("cold", "save", "ok"), ("hot", "save", "ok")]
+    for span in transfers:
+        assert span.parent.span_id == request_span.context.span_id
+        assert span.context.trace_id == request_span.context.trace_id
+        assert span.end_time > span.start_time
+        assert span.status.status_code is StatusCode.UNSET
+    (load,) = [span for span in transfers if span.attributes[attr.TRANSFER_DIRECTION] == "load"]
+    block_size = worker._vllm_config.cache_config.block_size
+    assert load.attributes[attr.TRANSFER_BLOCKS] == -(-32 // block_size)  # the blocks 32 tokens fill
+    assert {span.attributes[attr.TRANSFER_BLOCKS] for span in transfers if span != load} == {3}
+    assert scheduler.request_state_sizes() == worker.request_state_sizes() == {}
+
+
+def test_an_async_load_ends_when_its_child_reports_it(vllm_config_with: Callable, exporter: Any) -> None:
+    cold = {"matches": {"r1": [[32, True]]}, "finished_recving": [[], ["r1"]]}
+    scheduler, worker = _pair(vllm_config_with, {"hot": {}, "cold": cold})
+    request = make_request("r1", TRACEPARENT)
+    _admit(scheduler, request)
+    _step(scheduler, worker, new=[request])
+    assert not [span for span in _transfers(exporter) if span.attributes[attr.TRANSFER_DIRECTION] == "load"]
+    time.sleep(0.02)  # the copy runs between the steps
+    _step(scheduler, worker)
+    _finish(scheduler, worker, request)
+
+    (load,) = [span for span in _transfers(exporter) if span.attributes[attr.TRANSFER_DIRECTION] == "load"]
+    assert _described(load) == ("cold", "load", "ok")
+    assert load.end_time - load.start_time >= 20_000_000
+    assert worker.request_state_sizes() == {}
+
+
+def test_a_load_whose_request_vllm_finished_first_is_aborted(vllm_config_with: Callable, exporter: Any) -> None:
+    cold = {"matches": {"r1": [[32, True]]}, "finished_recving": [[], ["r1"]]}
+    scheduler, worker = _pair(vllm_config_with, {"hot": {}, "cold": cold})
+    request = make_request("r1", TRACEPARENT)
+    _admit(scheduler, request)
+    _step(scheduler, worker, new=[request], finished={"r1"})  # aborted while loading
+    _step(scheduler, worker)
+    scheduler.request_finished(request, [1, 2, 3])
+
+    (load,) = [span for span in _transfers(exporter) if span.attributes[attr.TRANSFER_DIRECTION] == "load"]
+    assert _described(load) == ("cold", "load", "aborted")
+    assert load.status.status_code is StatusCode.ERROR
+    table = worker.get_kv_connector_stats().transfers
+    assert (table.transfers("cold", "load"), table.failed("cold", "load", "aborted")) == (1, 1)
+    assert table.in_flight_change("cold", "load") == 0  # started and ended since the last report
+
+
+def test_a_failed_load_is_a_failed_transfer(vllm_config_with: Callable, exporter: Any) -> None:
+    cold = {"matches": {"r1": [[32, False]]}, "raises": ["start_load_kv"]}
+    scheduler, worker = _pair(vllm_config_with, {"hot": {}, "cold": cold})
+    request = make_request("r1", TRACEPARENT)
+    _admit(scheduler, request)
+    _step(scheduler, worker, new=[request])
+    _finish(scheduler, worker, request)
+
+    # The step's layer saves stop after a failed load (they would store unfilled blocks).
+    assert sorted(map(_described, _transfers(exporter))) == [
+        ("cold", "load", "failed"), ("cold", "save", "aborted"), ("hot", "save", "aborted")]
+    assert worker.request_state_sizes() == {}
