@@ -19,6 +19,7 @@ class ReceivedSpan:
     parent_span_id: str
     attributes: dict[str, Any]
     status_code: int
+    duration_ns: int = 0
 
 
 def _value(any_value: Any) -> Any:
@@ -51,6 +52,7 @@ class OtlpReceiver:
                         service=resource.get("service.name", ""), name=span.name, trace_id=span.trace_id.hex(),
                         span_id=span.span_id.hex(), parent_span_id=span.parent_span_id.hex(),
                         attributes={a.key: _value(a.value) for a in span.attributes}, status_code=span.status.code,
+                        duration_ns=span.end_time_unix_nano - span.start_time_unix_nano,
                     ))
         with self.lock:
             self.spans.extend(decoded)
