@@ -81,6 +81,23 @@ def test_template_variables_list_the_served_pipeline(served_pipeline: Any, prome
             assert values == expected[variable], variable
 
 
+def test_metrics_with_a_slash_answers_openmetrics_for_exemplars(served_pipeline: Any) -> None:
+    """The transfer histogram's exemplars need OpenMetrics: `vllm serve` answers it on /metrics/ (the
+    prometheus_client app it mounts), while /metrics stays in the classic text format."""
+    import urllib.request
+
+    def scrape(path: str) -> tuple[str, str]:
+        request = urllib.request.Request(f"{served_pipeline.url}{path}",
+                                         headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.headers["Content-Type"], response.read().decode()
+
+    content_type, body = scrape("/metrics/")
+    assert content_type.startswith("application/openmetrics-text"), content_type
+    assert "kvcompose_transfer_duration_seconds_bucket{" in body and body.rstrip().endswith("# EOF")
+    assert scrape("/metrics")[0].startswith("text/plain")
+
+
 def _complete_and_wait_for_scrape(served_pipeline: Any, prometheus: str, prompts: list[str]) -> None:
     for prompt in prompts:
         served_pipeline.complete(prompt)

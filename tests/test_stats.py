@@ -1,4 +1,7 @@
-"""KVComposeStats, its CallTable and the per-process recorder: merging, buckets, bounds, reset."""
+"""KVComposeStats, its CallTable and the per-process recorder: merging, buckets, bounds, reset.
+
+The merge properties cover every part of the payload: calls, breakers, transfers and telemetry
+(the transfer recorder and series are tested in test_transfer_metrics.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +16,17 @@ from hypothesis import strategies as st
 from kvcompose.config import DEFAULT_LATENCY_BUCKETS
 from kvcompose.metrics import recorder as recorder_module
 from kvcompose.metrics.recorder import PipelineRecorder, bucket_latencies
-from kvcompose.metrics.stats import KVComposeStats
+from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
 from kvcompose.metrics.summary import quantile
 from kvcompose.metrics import table as table_module
 from kvcompose.metrics.table import COUNTERS, OPS, CallTable
+from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferTable
 
 BOUNDS = (0.001, 0.01, 0.1)
 
 CHILDREN = ("hot", "cold", "remote")
+LANES = len(CHILDREN) * len(DIRECTIONS)
+TRACE_IDS = ("0af7651916cd43dd8448eb211c80319c", "4bf92f3577b34da6a3ce929d0e0e4736", "1" * 32)
 
 
 def _table_dicts() -> st.SearchStrategy[dict[str, Any]]:
@@ -38,10 +44,31 @@ def _table_dicts() -> st.SearchStrategy[dict[str, Any]]:
     )
 
 
+def _transfer_dicts() -> st.SearchStrategy[dict[str, Any]]:
+    # Exemplar times from a small set, so ties (broken by trace id) happen.
+    cells = LANES * (len(BOUNDS) + 1)
+    return st.builds(
+        lambda used, moved, in_flight, failures, exemplars: TransferTable(
+            CHILDREN, len(BOUNDS) + 1, {cell: [count, float(seconds)] for cell, (count, seconds) in used.items()},
+            moved, in_flight, failures,
+            {cell: [float(at), trace, float(seconds)] for cell, (trace, seconds, at) in exemplars.items()},
+        ).to_dict(),
+        st.dictionaries(st.integers(0, cells - 1), st.tuples(st.integers(1, 50), st.integers(0, 1000)), max_size=12),
+        st.lists(st.integers(0, 2**40), min_size=LANES, max_size=LANES),
+        st.lists(st.integers(-5, 5), min_size=LANES, max_size=LANES),
+        st.lists(st.integers(0, 9), min_size=LANES * len(FAILURES), max_size=LANES * len(FAILURES)),
+        st.dictionaries(st.integers(0, cells - 1), st.tuples(
+            st.sampled_from(TRACE_IDS), st.integers(0, 100), st.integers(0, 3)), max_size=6),
+    )
+
+
 payloads = st.fixed_dictionaries({
     "calls": st.none() | _table_dicts(),
     "breakers": st.dictionaries(st.sampled_from(CHILDREN), st.fixed_dictionaries(
         {"state": st.integers(0, 2), "opens": st.integers(0, 3)}), max_size=2),
+    TRANSFERS_KEY: st.none() | _transfer_dicts(),
+    TELEMETRY_KEY: st.none() | st.builds(lambda dropped, queued: {"spans_dropped": dropped, "spans_queued": queued},
+                                         st.integers(0, 100), st.none() | st.integers(0, 4096)),
 })
 
 
@@ -58,10 +85,13 @@ def merged(*parts: dict[str, Any], dense: bool = False) -> dict[str, Any]:
 
 
 def canonical(payload: dict[str, Any]) -> dict[str, Any]:
-    """The payload with its cells in index order, as JSON sees it."""
-    if (calls := payload["calls"]) is not None:
-        rows = sorted(zip(calls["cells"], calls["calls"], calls["seconds"], strict=True))
-        calls["cells"], calls["calls"], calls["seconds"] = ([row[i] for row in rows] for i in range(3))
+    """The payload with its cells (and exemplars) in index order, as JSON sees it."""
+    for key, count_name in (("calls", "calls"), (TRANSFERS_KEY, "transfers")):
+        if (table := payload[key]) is not None:
+            rows = sorted(zip(table["cells"], table[count_name], table["seconds"], strict=True))
+            table["cells"], table[count_name], table["seconds"] = ([row[i] for row in rows] for i in range(3))
+    if payload[TRANSFERS_KEY] is not None:
+        payload[TRANSFERS_KEY]["exemplars"].sort()
     return json.loads(json.dumps(payload, sort_keys=True))
 
 
@@ -175,18 +205,18 @@ def test_payload_size_is_bounded_whatever_the_traffic() -> None:
 
     buckets = len(DEFAULT_LATENCY_BUCKETS) + 1
     every_cell_used = CallTable(CHILDREN, buckets, {cell: [1, 0.5] for cell in range(len(CHILDREN) * len(OPS) * buckets)})
-    bound = _leaves(KVComposeStats(data={"calls": every_cell_used}).to_dict())
+    bound = leaves(KVComposeStats(data={"calls": every_cell_used}).to_dict())
     for calls in (300, 30_000):
         payload = payload_after(calls)
-        assert sum(payload["calls"]["calls"]) == calls and _leaves(payload) <= bound
+        assert sum(payload["calls"]["calls"]) == calls and leaves(payload) <= bound
 
 
-def _leaves(value: Any) -> int:
+def leaves(value: Any) -> int:
     """Numbers and strings in a payload: what its size grows with."""
     if isinstance(value, dict):
-        return sum(_leaves(v) for v in value.values())
+        return sum(leaves(v) for v in value.values())
     if isinstance(value, list):
-        return sum(_leaves(v) for v in value)
+        return sum(leaves(v) for v in value)
     return 1
 
 

@@ -1,10 +1,12 @@
 """Per-transfer stats: the recorder, the mergeable TransferTable and TelemetryCounters, their Prometheus
-series, and exemplars carried from a recorded trace id to a real Prometheus server's exemplar API."""
+series, and exemplars carried from a recorded trace id to a real Prometheus server's exemplar API.
+
+That merging is associative, commutative and leaves its inputs alone is tested with every part of the
+payload in test_stats.py."""
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +19,6 @@ from typing import Any
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kvcompose.config import DEFAULT_TRANSFER_BUCKETS
 from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
@@ -26,6 +27,7 @@ from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferRecorder, 
 
 from .prometheus_support import api, wait
 from .server_support import free_port
+from .test_stats import leaves, payloads
 
 BOUNDS = (0.001, 0.01, 0.1)
 CHILDREN = ("hot", "cold", "remote")
@@ -109,65 +111,6 @@ def test_transfers_ended_on_other_threads_are_all_counted() -> None:
 
 # --- merging and the process hop ---------------------------------------------------------------
 
-LANES = len(CHILDREN) * len(DIRECTIONS)
-CELLS = LANES * (len(BOUNDS) + 1)
-
-
-def _transfer_dicts() -> st.SearchStrategy[dict[str, Any]]:
-    # Integer-valued seconds keep float addition exact, so equality is exact; exemplar times from a
-    # small set, so ties (broken by trace id) happen.
-    return st.builds(
-        lambda used, moved, in_flight, failures, exemplars: TransferTable(
-            CHILDREN, len(BOUNDS) + 1, {cell: [count, float(seconds)] for cell, (count, seconds) in used.items()},
-            moved, in_flight, failures,
-            {cell: [float(at), trace, float(seconds)] for cell, (trace, seconds, at) in exemplars.items()},
-        ).to_dict(),
-        st.dictionaries(st.integers(0, CELLS - 1), st.tuples(st.integers(1, 50), st.integers(0, 1000)), max_size=12),
-        st.lists(st.integers(0, 2**40), min_size=LANES, max_size=LANES),
-        st.lists(st.integers(-5, 5), min_size=LANES, max_size=LANES),
-        st.lists(st.integers(0, 9), min_size=LANES * len(FAILURES), max_size=LANES * len(FAILURES)),
-        st.dictionaries(st.integers(0, CELLS - 1), st.tuples(
-            st.sampled_from([TRACE_A, TRACE_B, TRACE_C]), st.integers(0, 100), st.integers(0, 3)), max_size=6),
-    )
-
-
-payloads = st.fixed_dictionaries({
-    TRANSFERS_KEY: st.none() | _transfer_dicts(),
-    TELEMETRY_KEY: st.none() | st.builds(lambda dropped, queued: {"spans_dropped": dropped, "spans_queued": queued},
-                                         st.integers(0, 100), st.none() | st.integers(0, 4096)),
-})
-
-
-def merged(*parts: dict[str, Any]) -> dict[str, Any]:
-    """The parts folded as vLLM's aggregator does, in canonical (JSON, sorted cells) form."""
-    stats = KVComposeStats.from_payload(parts[0])
-    for part in parts[1:]:
-        stats = stats.aggregate(KVComposeStats.from_payload(part))
-    payload = stats.to_dict()
-    if (transfers := payload[TRANSFERS_KEY]) is not None:
-        rows = sorted(zip(transfers["cells"], transfers["transfers"], transfers["seconds"], strict=True))
-        transfers["cells"], transfers["transfers"], transfers["seconds"] = ([row[i] for row in rows] for i in range(3))
-        transfers["exemplars"] = sorted(transfers["exemplars"])
-    return json.loads(json.dumps(payload, sort_keys=True))
-
-
-@settings(max_examples=200, deadline=None)
-@given(payloads, payloads, payloads)
-def test_aggregate_is_associative_and_commutative(a: dict[str, Any], b: dict[str, Any], c: dict[str, Any]) -> None:
-    assert merged(a, b) == merged(b, a)
-    assert merged(merged(a, b), c) == merged(a, merged(b, c))
-
-
-@settings(max_examples=100, deadline=None)
-@given(payloads, payloads)
-def test_aggregate_does_not_modify_its_inputs(a: dict[str, Any], b: dict[str, Any]) -> None:
-    first, second = KVComposeStats.from_payload(a), KVComposeStats.from_payload(b)
-    before = json.dumps(second.to_dict(), sort_keys=True)
-    first.aggregate(second)
-    first.aggregate(second)
-    assert json.dumps(second.to_dict(), sort_keys=True) == before
-
-
 @settings(max_examples=50, deadline=None)
 @given(payloads)
 def test_payload_survives_vllms_msgpack_hop(payload: dict[str, Any]) -> None:
@@ -237,19 +180,10 @@ def test_payload_size_is_bounded_whatever_the_traffic() -> None:
     every_cell = range(len(CHILDREN) * len(DIRECTIONS) * buckets)
     full = TransferTable(CHILDREN, buckets, {cell: [1, 0.5] for cell in every_cell},
                          exemplars={cell: [1.0, TRACE_A, 0.5] for cell in every_cell})
-    bound = _leaves(KVComposeStats(data={TRANSFERS_KEY: full}).to_dict())
+    bound = leaves(KVComposeStats(data={TRANSFERS_KEY: full}).to_dict())
     for transfers in (300, 30_000):
         payload = payload_after(transfers)
-        assert sum(payload[TRANSFERS_KEY]["transfers"]) == transfers and _leaves(payload) <= bound
-
-
-def _leaves(value: Any) -> int:
-    """Numbers and strings in a payload: what its size grows with."""
-    if isinstance(value, dict):
-        return sum(_leaves(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_leaves(v) for v in value)
-    return 1
+        assert sum(payload[TRANSFERS_KEY]["transfers"]) == transfers and leaves(payload) <= bound
 
 
 # --- Prometheus --------------------------------------------------------------------------------

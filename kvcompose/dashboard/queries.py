@@ -60,6 +60,18 @@ class Query:
         return self.build(scope)
 
 
+def _quantiles(
+    name: str, histogram: str, by: str, quantiles: tuple[float, ...], *extra: str, exemplars: bool = False,
+) -> tuple[Query, ...]:
+    """One query per quantile (``<name>_p50``, ...), a series per value of the ``by`` labels."""
+    legend = " ".join(f"{{{{{label}}}}}" for label in by.split(", "))
+    return tuple(
+        Query(f"{name}_p{round(q * 100)}", f"{legend} p{round(q * 100)}",
+              lambda s, q=q: _quantile(q, histogram, by, s, *extra), exemplars=exemplars)
+        for q in quantiles
+    )
+
+
 # kvcompose's own series (kvcompose/metrics/prometheus.py).
 TOPOLOGY = Query(
     "topology", "",
@@ -77,11 +89,7 @@ LOADED_TOKENS = Query(
 MATCHED_TOKENS = Query(
     "matched_tokens", "{{connector}} held", lambda s: _sum_rate("connector", "kvcompose_matched_tokens_total", s)
 )
-LATENCY = tuple(
-    Query(f"latency_p{round(q * 100)}", f"{{{{connector}}}} {{{{op}}}} p{round(q * 100)}",
-          lambda s, q=q: _quantile(q, "kvcompose_call_duration_seconds", "connector, op", s, OP_MATCHER))
-    for q in (0.5, 0.9, 0.99)
-)
+LATENCY = _quantiles("latency", "kvcompose_call_duration_seconds", "connector, op", (0.5, 0.9, 0.99), OP_MATCHER)
 CALL_RATE = Query(
     "call_rate", "{{connector}} {{op}}",
     lambda s: _sum_rate("connector, op", "kvcompose_call_duration_seconds_count", s, OP_MATCHER),
@@ -102,11 +110,8 @@ BREAKER_OPENS = Query(
 )
 
 # Each child's transfers (kvcompose/metrics/transfer_series.py), by direction (load, save).
-TRANSFER_LATENCY = tuple(
-    Query(f"transfer_p{round(q * 100)}", f"{{{{connector}}}} {{{{direction}}}} p{round(q * 100)}",
-          lambda s, q=q: _quantile(q, "kvcompose_transfer_duration_seconds", "connector, direction", s),
-          exemplars=True)
-    for q in (0.5, 0.99)
+TRANSFER_LATENCY = _quantiles(
+    "transfer", "kvcompose_transfer_duration_seconds", "connector, direction", (0.5, 0.99), exemplars=True
 )
 TRANSFER_BYTES = Query(
     "transfer_bytes", "{{connector}} {{direction}}",
@@ -153,11 +158,7 @@ OFFLOAD_ALLOCATION_FAILURES = Query(
 )
 
 # NIXL's own series (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py).
-NIXL_TRANSFER_TIME = tuple(
-    Query(f"nixl_transfer_p{round(q * 100)}", f"{{{{connector}}}} p{round(q * 100)}",
-          lambda s, q=q: _quantile(q, "vllm:nixl_xfer_time_seconds", "connector", s))
-    for q in (0.5, 0.99)
-)
+NIXL_TRANSFER_TIME = _quantiles("nixl_transfer", "vllm:nixl_xfer_time_seconds", "connector", (0.5, 0.99))
 NIXL_BYTES = Query(
     "nixl_bytes", "{{connector}}", lambda s: _sum_rate("connector", "vllm:nixl_bytes_transferred_sum", s)
 )
