@@ -4,11 +4,14 @@ One flat int8 buffer holds, per engine KV tensor, ``num_chunks`` rows of that
 tensor's chunk bytes, tensor after tensor. File-backed buffers map a file
 (``MAP_SHARED`` through ``numpy.memmap``), so every stored block is written
 to the file and every load reads it back from there; the file is locked
-(``flock``) while the worker holds it, so two workers never share one.
+(``flock``) while the worker holds it, so two workers never share one. Its
+disk blocks are reserved at start-up (``posix_fallocate``): a disk too small
+for the budget fails there, not with a SIGBUS when a store first writes a page.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from collections.abc import Sequence
@@ -49,8 +52,16 @@ class HostBuffer:
         except BlockingIOError:
             os.close(fd)
             raise HostBufferInUseError(f"offload host buffer file {path} is in use by another worker") from None
-        os.ftruncate(fd, self.nbytes)  # keeps what a previous run wrote when the size is unchanged
         self._lock_fd = fd
+        os.ftruncate(fd, self.nbytes)  # keeps what a previous run wrote when the size is unchanged
+        try:
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.close()
+                raise OSError(error.errno, f"cannot reserve {self.nbytes} bytes for offload host buffer file {path}: "
+                                           f"{error.strerror}") from None
+            # EOPNOTSUPP and the like: the file stays sparse
         self._mapping = np.memmap(path, dtype=np.int8, mode="r+", shape=(self.nbytes,))
         return torch.from_numpy(self._mapping)
 
