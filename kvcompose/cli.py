@@ -17,7 +17,7 @@ from typing import NoReturn
 from kvcompose.config import load_pipeline
 from kvcompose.dashboard import dashboard_json, provisioning_files
 from kvcompose.errors import PipelineConfigError
-from kvcompose.render import file_reference, kv_transfer_config
+from kvcompose.render import file_reference, inline_reference, kv_transfer_config
 from kvcompose.schema import pipeline_json_schema
 from kvcompose.source import read_pipeline_source
 
@@ -62,8 +62,9 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _render(args: argparse.Namespace) -> None:
-    pipeline = load_pipeline(args.file)
-    ref = read_pipeline_source(args.file)[0] if args.inline else file_reference(args.file)
+    document = read_pipeline_source(args.file)
+    pipeline = load_pipeline(document)
+    ref = inline_reference(document) if args.inline else file_reference(args.file)
     print(json.dumps(kv_transfer_config(pipeline, ref), separators=(",", ":")))
 
 
