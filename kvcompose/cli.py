@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from kvcompose import __version__
 from kvcompose.config import load_pipeline
-from kvcompose.dashboard import dashboard_json, provisioning_files
 from kvcompose.errors import PipelineConfigError
 from kvcompose.render import file_reference, inline_reference, kv_transfer_config
 from kvcompose.schema import pipeline_json_schema
@@ -31,6 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvcompose", description="Compose vLLM KV-cache connectors, observably.")
+    parser.add_argument("--version", action="version", version=f"kvcompose {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     validate = commands.add_parser("validate", help="check a pipeline file; exit 2 on any problem")
@@ -73,6 +74,8 @@ def _schema(args: argparse.Namespace) -> None:
 
 
 def _dashboard(args: argparse.Namespace) -> None:
+    from kvcompose.dashboard import dashboard_json, provisioning_files  # only this command pays for the import
+
     text = dashboard_json(load_pipeline(args.pipeline) if args.pipeline else None)
     if args.output is None:
         sys.stdout.write(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcompose import __version__
 from kvcompose.source import MAX_FILE_BYTES
 
 from .test_config_limits import VALID_HEAD, alias_fan_out
@@ -190,3 +192,8 @@ def test_render_inline_embeds_merged_and_nested_references_as_written(tmp_path: 
     assert children[1] == {"name": "b", "connector": "ExampleConnector",
                            "config": {"path": "${KVC_TEST_UNSET:-${HOME}}/kv", "flag": "${KVC_FLAG:-false}"}}
 
+
+def test_version() -> None:
+    result = kvcompose("--version")
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"kvcompose {__version__}\n", "")
+    assert __version__ == importlib.metadata.version("kvcompose")  # the package and its metadata agree
