@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from kvcompose import __version__
 from kvcompose.config import load_pipeline
-from kvcompose.dashboard import dashboard_json, provisioning_files
 from kvcompose.errors import PipelineConfigError
-from kvcompose.render import file_reference, kv_transfer_config
+from kvcompose.render import file_reference, inline_reference, kv_transfer_config
 from kvcompose.schema import pipeline_json_schema
 from kvcompose.source import read_pipeline_source
 
@@ -31,6 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvcompose", description="Compose vLLM KV-cache connectors, observably.")
+    parser.add_argument("--version", action="version", version=f"kvcompose {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     validate = commands.add_parser("validate", help="check a pipeline file; exit 2 on any problem")
@@ -62,8 +63,9 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _render(args: argparse.Namespace) -> None:
-    pipeline = load_pipeline(args.file)
-    ref = read_pipeline_source(args.file)[0] if args.inline else file_reference(args.file)
+    document = read_pipeline_source(args.file)
+    pipeline = load_pipeline(document)
+    ref = inline_reference(document) if args.inline else file_reference(args.file)
     print(json.dumps(kv_transfer_config(pipeline, ref), separators=(",", ":")))
 
 
@@ -72,6 +74,8 @@ def _schema(args: argparse.Namespace) -> None:
 
 
 def _dashboard(args: argparse.Namespace) -> None:
+    from kvcompose.dashboard import dashboard_json, provisioning_files  # only this command pays for the import
+
     text = dashboard_json(load_pipeline(args.pipeline) if args.pipeline else None)
     if args.output is None:
         sys.stdout.write(text)

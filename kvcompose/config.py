@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
+import typing
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
-from kvcompose.errors import PipelineConfigError, Problem
+from kvcompose.errors import FieldPath, PipelineConfigError, Problem, shown
 from kvcompose.interpolation import interpolate_env
-from kvcompose.source import read_pipeline_source
+from kvcompose.source import PipelineDocument, mapping_document, read_pipeline_source
 from kvcompose.vllm_names import BUILTIN_CONNECTORS, KV_TRANSFER_FIELDS, KV_TRANSFER_FIELDS_OWNED_BY_KVCOMPOSE
 
 LABEL_SAFE_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
@@ -173,7 +174,7 @@ class Pipeline(_Section):
 
     @model_validator(mode="after")
     def _check_children(self) -> Pipeline:
-        problems = [*_duplicate_names(self.children), *_unknown_connectors(self.children)]
+        problems = _children_problems(self.children)
         if problems:
             # Not a ValueError: pydantic would drop the field paths.
             raise PipelineConfigError(problems)
@@ -183,29 +184,55 @@ class Pipeline(_Section):
         return child.role or self.role
 
 
-def _duplicate_names(children: list[ChildConfig]) -> list[Problem]:
+# (name, connector, has a module_path) of a child; None where the value is not a string.
+_ChildIdentity = tuple[str | None, str | None, bool]
+
+
+def _children_problems(children: Sequence[ChildConfig | Any]) -> list[Problem]:
+    """Duplicate names and unknown connectors among ``children``.
+
+    Also reads children that failed validation (raw mappings), so these
+    problems are reported together with the others.
+    """
+    identities = [_identity(child) for child in children]
+    return [*_duplicate_names(identities), *_unknown_connectors(identities)]
+
+
+def _identity(child: ChildConfig | Any) -> _ChildIdentity:
+    if isinstance(child, ChildConfig):
+        return child.name, child.connector, child.module_path is not None
+    if not isinstance(child, Mapping):
+        return None, None, False
+    name, connector = child.get("name"), child.get("connector")
+    return (name if isinstance(name, str) else None, connector if isinstance(connector, str) else None,
+            child.get("module_path") is not None)
+
+
+def _duplicate_names(identities: list[_ChildIdentity]) -> list[Problem]:
     first_seen: dict[str, int] = {}
     problems = []
-    for index, child in enumerate(children):
-        if child.name in first_seen:
+    for index, (name, _, _) in enumerate(identities):
+        if name is None:
+            continue
+        if name in first_seen:
             problems.append(
                 Problem(
                     ("children", index, "name"),
-                    f"duplicate child name {child.name!r} (first used by children[{first_seen[child.name]}]); "
+                    f"duplicate child name {shown(name)} (first used by children[{first_seen[name]}]); "
                     "names must be unique",
                 )
             )
         else:
-            first_seen[child.name] = index
+            first_seen[name] = index
     return problems
 
 
-def _unknown_connectors(children: list[ChildConfig]) -> list[Problem]:
+def _unknown_connectors(identities: list[_ChildIdentity]) -> list[Problem]:
     problems = []
-    for index, child in enumerate(children):
-        if child.module_path is None and child.connector not in BUILTIN_CONNECTORS:
-            message = f"unknown connector {child.connector!r}"
-            if suggestion := did_you_mean(child.connector, BUILTIN_CONNECTORS):
+    for index, (_, connector, has_module_path) in enumerate(identities):
+        if connector is not None and not has_module_path and connector not in BUILTIN_CONNECTORS:
+            message = f"unknown connector {shown(connector)}"
+            if suggestion := did_you_mean(connector, BUILTIN_CONNECTORS):
                 message += f"; did you mean {suggestion!r}?"
             else:
                 message += "; set module_path for an out-of-tree connector"
@@ -213,51 +240,106 @@ def _unknown_connectors(children: list[ChildConfig]) -> list[Problem]:
     return problems
 
 
-def did_you_mean(name: str, known: frozenset[str]) -> str | None:
+def did_you_mean(name: str, known: Iterable[str]) -> str | None:
     by_lower = {k.lower(): k for k in known}
     matches = difflib.get_close_matches(name.lower(), by_lower, n=1, cutoff=0.6)
     return by_lower[matches[0]] if matches else None
 
 
-def load_pipeline(source: str | Path | Mapping[str, Any]) -> Pipeline:
-    """Load and validate a pipeline from a YAML/JSON file path or a mapping.
+def untyped_field(path: FieldPath) -> bool:
+    """Whether ``path`` lies in a child's ``config`` or ``transfer``, passed on to vLLM as written."""
+    return len(path) > 3 and path[0] == "children" and isinstance(path[1], int) and path[2] in ("config", "transfer")
 
-    Raises :class:`PipelineConfigError` (and nothing else) for any bad input.
+
+def load_pipeline(source: str | Path | Mapping[str, Any] | PipelineDocument) -> Pipeline:
+    """Load and validate a pipeline from a YAML/JSON file path, a mapping, or a read document.
+
+    Raises :class:`PipelineConfigError` (and nothing else) for any bad input,
+    listing every problem found, in file order.
     """
-    if isinstance(source, Mapping):
-        raw, lines, label = dict(source), {}, None
+    if isinstance(source, PipelineDocument):
+        document = source
+    elif isinstance(source, Mapping):
+        document = mapping_document(source)
     else:
-        raw, lines, label = read_pipeline_source(Path(source))
+        document = read_pipeline_source(Path(source))
+    raw = document.data
     if not isinstance(raw, dict):
         got = "an empty document" if raw is None else f"a {type(raw).__name__}"
-        raise PipelineConfigError([Problem((), f"the pipeline must be a mapping, got {got}", 1 if label else None)], label)
+        line = 1 if document.label else None
+        problems = document.problems or (Problem((), f"the pipeline must be a mapping, got {got}", line),)
+        raise PipelineConfigError(problems, document.label)
+    problems = list(document.problems)
+    data, env_problems = interpolate_env(raw, retype=lambda path: untyped_field(path) and path not in document.quoted)
+    _add_new(problems, env_problems)
     try:
-        data = interpolate_env(raw)
-        return Pipeline.model_validate(data)
+        pipeline = Pipeline.model_validate(data)
     except PipelineConfigError as error:
-        raise PipelineConfigError([_with_line(p, lines) for p in error.problems], label) from None
+        _add_new(problems, error.problems)
     except ValidationError as error:
-        raise PipelineConfigError([_with_line(p, lines) for p in validation_problems(error)], label) from None
+        _add_new(problems, validation_problems(error, Pipeline))
+        children = data.get("children")
+        _add_new(problems, _children_problems(children) if isinstance(children, list) else [])
+    if problems:
+        located = [_with_line(problem, document) for problem in problems]
+        located.sort(key=lambda problem: (problem.line is None, problem.line or 0))
+        raise PipelineConfigError(located, document.label)
+    return pipeline
 
 
-def validation_problems(error: ValidationError) -> list[Problem]:
-    """One :class:`Problem` per pydantic error, worded for people editing a config."""
-    return [Problem(tuple(e["loc"]), _pydantic_message(e)) for e in error.errors()]
+def _add_new(problems: list[Problem], found: Iterable[Problem]) -> None:
+    """Add the problems of a later check, except those at or under a field that already has one."""
+    known = {problem.path for problem in problems}
+    problems.extend(p for p in found if not any(p.path[:end] in known for end in range(len(p.path) + 1)))
 
 
-def _pydantic_message(error: Mapping[str, Any]) -> str:
+def validation_problems(error: ValidationError, model: type[BaseModel] | None = None) -> list[Problem]:
+    """One :class:`Problem` per pydantic error, worded for people editing a config.
+
+    With ``model`` (the validated class), an unknown key is matched against
+    the keys allowed where it stands.
+    """
+    problems = []
+    for e in error.errors():
+        loc, message = tuple(e["loc"]), _pydantic_message(e, model)
+        if loc[-1:] == ("[key]",):  # pydantic's marker for an error in a mapping key
+            loc, message = loc[:-1], f"the key {shown(loc[-2])} is invalid: {message}"
+        problems.append(Problem(loc, message))
+    return problems
+
+
+def _pydantic_message(error: Mapping[str, Any], model: type[BaseModel] | None) -> str:
     if error["type"] == "extra_forbidden":
+        known = _keys_at(model, error["loc"][:-1]) if model is not None else ()
+        if suggestion := did_you_mean(str(error["loc"][-1]), known):
+            return f"unknown key; did you mean {suggestion!r}?"
         return "unknown key (check the spelling; `kvcompose schema` lists every key)"
     if error["type"] == "missing":
         return "required key is missing"
     if error["type"] == "string_pattern_mismatch":
-        return (f"{error['input']!r} is not label-safe: use 1-63 lowercase letters, digits, '_' or '-', "
+        return (f"{shown(error['input'])} is not label-safe: use 1-63 lowercase letters, digits, '_' or '-', "
                 "starting with a letter or digit")
     return str(error["msg"]).removeprefix("Value error, ")
 
 
-def _with_line(problem: Problem, lines: Mapping[tuple[str | int, ...], int]) -> Problem:
-    path = problem.path
-    while path and path not in lines:
-        path = path[:-1]
-    return Problem(problem.path, problem.message, lines.get(path, problem.line))
+def _keys_at(model: type[BaseModel], loc: Sequence[str | int]) -> list[str]:
+    """The keys allowed at ``loc`` inside ``model`` (list indexes included in ``loc``)."""
+    annotation: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            annotation = next(iter(typing.get_args(annotation)), None)
+        elif _is_model(annotation) and part in annotation.model_fields:
+            annotation = annotation.model_fields[part].annotation
+        else:
+            return []
+    return list(annotation.model_fields) if _is_model(annotation) else []
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _with_line(problem: Problem, document: PipelineDocument) -> Problem:
+    if problem.line is not None:
+        return problem
+    return Problem(problem.path, problem.message, document.line_of(problem.path))

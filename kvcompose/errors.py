@@ -4,8 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 FieldPath = tuple[str | int, ...]
+
+_SHOWN_LENGTH = 60
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut to a readable length, for quoting user input in a message."""
+    return _cut(repr(value))
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _SHOWN_LENGTH else f"{text[:_SHOWN_LENGTH - 3]}..."
 
 
 def format_path(path: FieldPath) -> str:
@@ -15,7 +27,7 @@ def format_path(path: FieldPath) -> str:
         if isinstance(part, int):
             text += f"[{part}]"
         else:
-            text += f".{part}" if text else str(part)
+            text += f".{_cut(str(part))}" if text else _cut(str(part))
     return text
 
 
@@ -28,13 +40,14 @@ class Problem:
     line: int | None = None
 
     def describe(self, source: str | None = None) -> str:
+        """One line: ``source:line: field.path: message``."""
         prefix = source or ""
         if self.line is not None:
             prefix = f"{prefix}:{self.line}" if prefix else f"line {self.line}"
         parts = [prefix] if prefix else []
         if self.path:
             parts.append(format_path(self.path))
-        return ": ".join([*parts, self.message])
+        return " ".join(": ".join([*parts, self.message]).splitlines())
 
 
 class PipelineConfigError(Exception):

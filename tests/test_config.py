@@ -99,7 +99,7 @@ def test_interpolation(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert p.children[0].config["shared_storage_path"] == "/data/kv/hot"
     assert p.children[1].config["url"] == "redis://fallback"
     assert p.tracing.service_name == "${KVC_DIR}"
-    assert interpolate_env({"a": ["x${V:-}y", 3]}, {}) == {"a": ["xy", 3]}
+    assert interpolate_env({"a": ["x${V:-}y", 3]}, {}) == ({"a": ["xy", 3]}, [])
 
 
 def test_interpolation_into_typed_fields(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,7 +123,7 @@ def test_unset_variable_names_the_field(tmp_path: Path, monkeypatch: pytest.Monk
         ("version: [1\n", "2: malformed YAML/JSON"),
         ("- a\n- b\n", "1: the pipeline must be a mapping, got a list"),
         ("", "1: the pipeline must be a mapping, got an empty document"),
-        ("version: 1\nname: x\nname: y\nchildren: []\n", "3: malformed YAML/JSON: duplicate key 'name'"),
+        ("version: 1\nname: x\nname: y\nchildren: []\n", "3: name: duplicate key 'name' (first at line 2)"),
         ("version: 2\nname: x\nchildren: [{name: a, connector: ExampleConnector}]\n", "1: version: Input should be 1"),
         ("version: 1\nname: x\nchildren: []\n", "3: children: List should have at least 1 item"),
         ("version: 1\nname: x\n", "1: children: required key is missing"),
@@ -174,3 +174,62 @@ def test_missing_unreadable_and_directory(tmp_path: Path) -> None:
 def test_mapping_errors_have_paths_but_no_lines() -> None:
     found = problems({"version": 1, "name": "x", "children": [{"name": "a", "connector": "ExampleConnector", "x": 1}]})
     assert found == ["children[0].x: unknown key (check the spelling; `kvcompose schema` lists every key)"]
+
+
+def test_every_problem_is_reported_in_one_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A missing name used to hide the misspelled connector, and an unset variable everything else.
+    monkeypatch.delenv("KVC_UNSET", raising=False)
+    path = write(tmp_path, """\
+version: 1
+children:
+  - name: hot
+    connector: ExampleConector
+    config: {path: "${KVC_UNSET}"}
+  - connector: ExampleConnector
+    sav: false
+  - name: hot
+    connector: ExampleConnector
+    load: ${KVC_UNSET}
+tracin: {enabled: true}
+""")
+    assert problems(path) == [
+        f"{path}:1: name: required key is missing",
+        f"{path}:4: children[0].connector: unknown connector 'ExampleConector'; did you mean 'ExampleConnector'?",
+        f"{path}:5: children[0].config.path: environment variable KVC_UNSET is not set (use ${{KVC_UNSET:-default}})",
+        f"{path}:6: children[1].name: required key is missing",
+        f"{path}:7: children[1].sav: unknown key; did you mean 'save'?",
+        f"{path}:8: children[2].name: duplicate child name 'hot' (first used by children[0]); names must be unique",
+        f"{path}:10: children[2].load: environment variable KVC_UNSET is not set (use ${{KVC_UNSET:-default}})",
+        f"{path}:11: tracin: unknown key; did you mean 'tracing'?",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ("chidlren: []", "chidlren: unknown key; did you mean 'children'?"),
+        ("laod: {policy: first_match}", "laod: unknown key; did you mean 'load'?"),
+        ("load: {polcy: first_match}", "load.polcy: unknown key; did you mean 'policy'?"),
+        ("metrics: {perlayer: true}", "metrics.perlayer: unknown key; did you mean 'per_layer'?"),
+        ("logging: {levle: INFO}", "logging.levle: unknown key; did you mean 'level'?"),
+        ("zzz: 1", "zzz: unknown key (check the spelling; `kvcompose schema` lists every key)"),
+    ],
+)
+def test_unknown_keys_suggest_the_closest_known_key(section: str, expected: str, tmp_path: Path) -> None:
+    path = write(tmp_path, f"version: 1\nname: x\nchildren: [{{name: a, connector: ExampleConnector}}]\n{section}\n")
+    assert f"{path}:4: {expected}" in problems(path)
+
+
+def test_unknown_keys_inside_children_suggest_too() -> None:
+    child = {"name": "a", "connector": "ExampleConnector", "circuit_breaker": {"failurs": 3}, "modul_path": "m"}
+    assert problems({"version": 1, "name": "x", "children": [child]}) == [
+        "children[0].circuit_breaker.failurs: unknown key; did you mean 'failures'?",
+        "children[0].modul_path: unknown key; did you mean 'module_path'?",
+    ]
+
+
+def test_each_problem_is_one_line_however_odd_the_input() -> None:
+    child = {"name": "a\nb", "connector": "Example\nConnector", "config": {}, "typo\r\nkey": 1, "x" * 500: 1}
+    found = problems({"version": 1, "name": "x", "children": [child]})
+    assert len(found) == 4, found
+    assert all(len(line) < 300 for line in found), found

@@ -1,16 +1,20 @@
 """Fuzzing the pipeline loader and ``kvcompose validate``.
 
-Arbitrary JSON/YAML-ish documents, token soup and mutations of
-examples/pipeline.yaml go through ``load_pipeline`` (mapping and file forms)
-and the CLI. The only failure allowed is :class:`PipelineConfigError`, with
-every problem naming a path and a message; the CLI exits 0 or 2 and never
-prints a traceback.
+Arbitrary JSON/YAML-ish documents, token soup, mutations of
+examples/pipeline.yaml, alias fan-outs, random YAML tags and random bytes go
+through ``load_pipeline`` (mapping and file forms) and the CLI. The only
+failure allowed is :class:`PipelineConfigError`, with every problem naming a
+path and a message; the CLI exits 0 or 2 and never prints a traceback.
+
+Every case has a deadline of 1 s (inputs are at most 64 KiB) and runs under
+a hang guard, so an exponential case fails instead of stalling the suite.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import io
 import json
 from pathlib import Path
@@ -25,11 +29,15 @@ from kvcompose.cli import main
 from kvcompose.config import Pipeline, load_pipeline
 from kvcompose.errors import PipelineConfigError
 
+from .test_config_limits import VALID_HEAD, time_limit
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline.yaml"
 EXAMPLE_TEXT = EXAMPLE.read_text(encoding="utf-8")
 EXAMPLE_DATA = yaml.safe_load(EXAMPLE_TEXT)
 
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=200, deadline=datetime.timedelta(seconds=1),
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+MAX_INPUT_BYTES = 64 * 1024
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
 keys = st.text(max_size=10) | st.sampled_from(["version", "name", "children", "connector", "config", "load", "role"])
@@ -57,7 +65,8 @@ def pipeline_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def assert_loads_or_config_error(source: Any) -> None:
     try:
-        pipeline = load_pipeline(source)
+        with time_limit():
+            pipeline = load_pipeline(source)
     except PipelineConfigError as error:
         assert error.problems, "a PipelineConfigError without problems"
         for problem in error.problems:
@@ -71,7 +80,7 @@ def assert_loads_or_config_error(source: Any) -> None:
 
 def assert_cli_validates(path: Path) -> None:
     stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), time_limit():
         code = main(["validate", str(path)])
     assert "Traceback" not in stderr.getvalue()
     if code == 0:
@@ -82,6 +91,7 @@ def assert_cli_validates(path: Path) -> None:
 
 def check_text(path: Path, text: str, cli: bool = True) -> None:
     path.write_text(text, encoding="utf-8")
+    assert path.stat().st_size <= MAX_INPUT_BYTES
     assert_loads_or_config_error(path)
     if cli:
         assert_cli_validates(path)
@@ -172,3 +182,93 @@ def test_the_unmutated_example_is_valid(pipeline_file: Path) -> None:
     assert load_pipeline(EXAMPLE).name == "hot-then-cold"
     assert load_pipeline(EXAMPLE_DATA).children[1].name == "cold"
     check_text(pipeline_file, EXAMPLE_TEXT)
+
+
+# Billion laughs and its relatives: levels of anchored collections, each made
+# of aliases of the level below, as lists, mappings, merge keys or keys.
+LEVEL_SHAPES = {
+    "list": lambda below, width: "[" + ", ".join([f"*{below}"] * width) + "]",
+    "mapping": lambda below, width: "{" + ", ".join(f"k{i}: *{below}" for i in range(width)) + "}",
+    "merge": lambda below, width: "[" + ", ".join(f"{{<<: *{below}, k: {i}}}" for i in range(width)) + "]",
+    "nested": lambda below, width: "[" * width + f"*{below}" + "]" * width,
+}
+
+
+@st.composite
+def alias_fan_outs(draw: st.DrawFn) -> str:
+    levels = draw(st.integers(1, 40))
+    lines = ["      l0: &l0 {a: [lol, lol], b: lol}"]
+    for level in range(1, levels):
+        shape = draw(st.sampled_from(sorted(LEVEL_SHAPES)))
+        lines.append(f"      l{level}: &l{level} " + LEVEL_SHAPES[shape](f"l{level - 1}", draw(st.integers(1, 12))))
+    use = draw(st.sampled_from(["", f"      last: *l{levels - 1}\n", f"      ? *l{levels - 1}\n      : key\n"]))
+    return VALID_HEAD + "\n".join(lines) + "\n" + use
+
+
+@FUZZ
+@given(text=alias_fan_outs())
+def test_alias_fan_outs(pipeline_file: Path, text: str) -> None:
+    check_text(pipeline_file, text)
+
+
+TAGS = [
+    "!!int", "!!float", "!!bool", "!!null", "!!str", "!!timestamp", "!!binary", "!!set", "!!omap", "!!pairs",
+    "!!seq", "!!map", "!!merge", "!!value", "!!yaml", "!!python/object:os.system", "!!python/name:os.system",
+    "!local", "!", "!<tag:yaml.org,2002:int>", "!<!>", "!!",
+]
+TAGGED_VALUES = [
+    "abc", "1", "-0", "0x1F", "0o17", "017", "1_000", "1e400", ".nan", "-.inf", "2001-02-30", "2001-02-03",
+    "2001-02-03T25:00:00", "2001-02-03 04:05:06 +99:00", "9" * 4301, "[1, 2]", "{a: 1}", "[{a: 1}, [b]]",
+    "*a", "~", "''", "aGk=", "aGk", "yes", "maybe", "<<", "=", "", "[*a, *a]", "{<<: *a}",
+]
+
+
+def quoted(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # raw characters: YAML does not join \u escapes of surrogate pairs
+
+
+@st.composite
+def tagged_documents(draw: st.DrawFn) -> str:
+    entries = []
+    for index in range(draw(st.integers(1, 6))):
+        tag = draw(st.sampled_from(TAGS))
+        value = draw(st.sampled_from(TAGGED_VALUES) | st.text(max_size=8).map(quoted))
+        key = draw(st.sampled_from(["name", "load", "save", "role", "version", f"k{index}", "<<", "!!int k", "? x"]))
+        entries.append((key, f"{tag} {value}"))
+    where = draw(st.sampled_from(["config", "child", "top"]))
+    anchor = "      anchor: &a {x: 1}\n"
+    if where == "top":
+        return "a: &a [1]\n" + "".join(f"{key}: {value}\n" for key, value in entries) + "version: 1\n"
+    indent = "      " if where == "config" else "    "
+    return VALID_HEAD + anchor + "".join(f"{indent}{key}: {value}\n" for key, value in entries)
+
+
+@FUZZ
+@given(text=tagged_documents())
+@example(text=VALID_HEAD + "      name: !!int ''\n")  # IndexError inside PyYAML's int constructor
+@example(text=VALID_HEAD + "      name: !!float\n")  # the same in its float constructor
+def test_random_yaml_tags(pipeline_file: Path, text: str) -> None:
+    check_text(pipeline_file, text)
+
+
+@FUZZ
+@given(raw=st.binary(max_size=2048) | st.builds(lambda byte, size: byte * size, st.binary(min_size=1, max_size=3),
+                                                st.integers(1, MAX_INPUT_BYTES // 3)))
+def test_random_bytes(pipeline_file: Path, raw: bytes) -> None:
+    pipeline_file.write_bytes(raw)
+    assert_loads_or_config_error(pipeline_file)
+    assert_cli_validates(pipeline_file)
+
+
+REPEATED_ITEMS = ["1", "!!int x", "2001-02-30", "a: 1", "'${'", "${U:-${V:-w}}", "*a", "[", "{x: *a}", "? *a\n: 1"]
+
+
+@FUZZ
+@given(item=st.sampled_from(REPEATED_ITEMS), separator=st.sampled_from([", ", "\n        - "]),
+       fill=st.floats(0.1, 1.0))
+def test_inputs_up_to_64_kib(pipeline_file: Path, item: str, separator: str, fill: float) -> None:
+    head = VALID_HEAD + "      a: &a [lol]\n      many:" + ("\n        - " if separator != ", " else " [")
+    room = int((MAX_INPUT_BYTES - len(head) - 2) * fill)
+    count = max(1, room // (len(item) + len(separator)))
+    tail = "]\n" if separator == ", " else "\n"
+    check_text(pipeline_file, head + separator.join([item] * count) + tail, cli=False)
