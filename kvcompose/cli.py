@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from kvcompose import __version__
 from kvcompose.config import load_pipeline
+from kvcompose.deploy import add_commands as add_deploy_commands
 from kvcompose.errors import PipelineConfigError
 from kvcompose.render import file_reference, inline_reference, kv_transfer_config
 from kvcompose.schema import pipeline_json_schema
@@ -52,6 +53,7 @@ def _build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--provisioning", type=Path, metavar="DIR",
                            help="also write Grafana provisioning files (datasource, dashboard provider) under DIR")
     dashboard.set_defaults(run=_dashboard)
+    add_deploy_commands(commands)
     return parser
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import yaml
 
 from kvcompose.alerts import RUNBOOK_URL_BASE, AlertSettingError, rule_groups
-from kvcompose.dashboard import dashboard_json, provisioning_files
 
 EXIT_USAGE = 2
 ALERTS_FILE = "deploy/prometheus/alerts.yaml"
@@ -66,6 +65,8 @@ def alerts_text(groups: list[dict[str, object]], as_prometheus_rule: bool = Fals
 
 def derived_files() -> dict[str, str]:
     """Every file the repository derives from code, by path from the repository root."""
+    from kvcompose.dashboard import dashboard_json, provisioning_files  # only `generate` pays for the import
+
     dashboard = dashboard_json()
     groups = rule_groups()
     return {

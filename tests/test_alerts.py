@@ -31,13 +31,6 @@ UNIT_TESTS = PROMETHEUS_DIR / "alerts_test.yaml"
 RUNBOOKS = REPO / "docs" / "runbooks"
 REGENERATE = "kvcompose generate  (or: python -m kvcompose.deploy generate)"
 METRIC = re.compile(r"\b(kvcompose_\w+|vllm:\w+)")
-# Series the rules read that the lead's Transfers work adds to kvcompose's exposition (issue 19). Once
-# _real_exposition() exports them, the exposition test fails until this set is emptied, so every rule is
-# then evaluated against the real metric classes.
-NOT_YET_EXPORTED = {
-    "kvcompose_transfer_duration_seconds_bucket", "kvcompose_transfer_duration_seconds_count",
-    "kvcompose_spans_dropped_total",
-}
 WITHOUT_CONNECTOR = {"kvcompose_spans_dropped_total"}  # per engine process, not per child
 RUNBOOK_SECTIONS = ["## Symptom", "## Impact", "## Diagnose", "## Mitigate", "## Escalate"]
 PANEL_REFERENCE = re.compile(r"[Pp]anel\s+\*\*(.+?)\*\*")
@@ -209,13 +202,9 @@ def test_every_rule_finds_series_in_what_the_real_metric_classes_export(
     for rule in (rule for group in rule_groups(open_thresholds) for rule in group["rules"]):
         read = metrics_read(rule["expr"])
         missing = read - exported
-        assert missing <= NOT_YET_EXPORTED, f"{rule['alert']} reads {sorted(missing)}, which nothing exports"
-        if missing:
-            continue
+        assert not missing, f"{rule['alert']} reads {sorted(missing)}, which nothing exports"
         children = set.intersection(*(children_of[name] for name in read))
         cases.append(expr_test(f"group by (connector) ({rule['expr']})",
                                [({"connector": child} if child else {}, 1) for child in sorted(children)]))
     assert len(cases) >= 5
-    assert NOT_YET_EXPORTED.isdisjoint(exported), \
-        f"{sorted(NOT_YET_EXPORTED & exported)} are exported now: remove them from NOT_YET_EXPORTED"
     run_promtool(series, cases, tmp_path)
