@@ -120,7 +120,7 @@ def test_a_load_whose_request_vllm_finished_first_is_aborted(vllm_config_with: C
 
     (load,) = [span for span in _transfers(exporter) if span.attributes[attr.TRANSFER_DIRECTION] == "load"]
     assert _described(load) == ("cold", "load", "aborted")
-    assert load.status.status_code is StatusCode.ERROR
+    assert load.status.status_code is StatusCode.UNSET  # not the child's failure
     table = worker.get_kv_connector_stats().transfers
     assert (table.transfers("cold", "load"), table.failed("cold", "load", "aborted")) == (1, 1)
     assert table.in_flight_change("cold", "load") == 0  # started and ended since the last report
@@ -135,6 +135,11 @@ def test_a_failed_load_is_a_failed_transfer(vllm_config_with: Callable, exporter
     _finish(scheduler, worker, request)
 
     # The step's layer saves stop after a failed load (they would store unfilled blocks).
-    assert sorted(map(_described, _transfers(exporter))) == [
+    transfers = _transfers(exporter)
+    assert sorted(map(_described, transfers)) == [
         ("cold", "load", "failed"), ("cold", "save", "aborted"), ("hot", "save", "aborted")]
+    assert [span.status.status_code is StatusCode.ERROR for span in transfers if span.name == "kvcompose.transfer"
+            and span.attributes[attr.TRANSFER_OUTCOME] == "failed"] == [True]
+    failed = next(span for span in transfers if span.attributes[attr.TRANSFER_OUTCOME] == "failed")
+    assert failed.attributes[attr.ERROR_TYPE] == "kvcompose.transfer_failed"
     assert worker.request_state_sizes() == {}
