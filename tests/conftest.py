@@ -59,6 +59,19 @@ def plain_llm(tiny_model: Path) -> Any:
     llm.llm_engine.engine_core.shutdown()
 
 
+@pytest.fixture
+def exporter() -> Any:
+    """Every pipeline's spans in this process, exported in-process to memory for the test."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvcompose.tracing import set_span_exporter
+
+    exporter = InMemorySpanExporter()
+    set_span_exporter(exporter)
+    yield exporter
+    set_span_exporter(None)
+
+
 @pytest.fixture(scope="session")
 def otlp_receiver() -> Any:
     """Receives the OTLP/HTTP spans of every server the tests start."""

@@ -216,8 +216,10 @@ def test_a_request_through_the_proxy_decodes_the_plain_tokens_from_nixl(
 
 
 def test_one_trace_holds_both_servers_spans(pd_pair: DisaggregatedPair, otlp_receiver: Any) -> None:
-    """Prefill lookup, save to the storage tier, the NIXL hand-over and the decode-side load, in the caller's trace."""
+    """Prefill lookup, save to the storage tier, the NIXL hand-over and the decode-side load, in the caller's trace;
+    NIXL's send (a save on the prefill side) and receive (a load on the decode side) as transfers."""
     trace_id = secrets.token_hex(16)
+    nixl_bytes_before = _total(pd_pair.decode.metrics(), "vllm:nixl_bytes_transferred_sum", connector="nixl")
     pd_pair.complete(prompt_words(seed=33, length=96), headers={"traceparent": f"00-{trace_id}-{'1' * 16}-01"})
 
     def kvcompose_calls(spans: list[Any]) -> set[tuple[str, str, str]]:
@@ -228,6 +230,7 @@ def test_one_trace_holds_both_servers_spans(pd_pair: DisaggregatedPair, otlp_rec
         ("kvcompose-prefill", "kvcompose.lookup", "nixl"), ("kvcompose-prefill", "kvcompose.lookup", "store"),
         ("kvcompose-prefill", "kvcompose.save", "store"), ("kvcompose-prefill", "kvcompose.request_finished", "nixl"),
         ("kvcompose-decode", "kvcompose.lookup", "nixl"), ("kvcompose-decode", "kvcompose.load", "nixl"),
+        ("kvcompose-prefill", "kvcompose.transfer", "nixl"), ("kvcompose-decode", "kvcompose.transfer", "nixl"),
     }
     def arrived(spans: list[Any]) -> bool:  # each server exports in its own batches, vLLM's spans too
         return wanted <= kvcompose_calls(spans) and sum(s.name == "llm_request" for s in spans) >= 2
@@ -242,6 +245,23 @@ def test_one_trace_holds_both_servers_spans(pd_pair: DisaggregatedPair, otlp_rec
     assert [s.attributes["kvcompose.save.async"] for s in handed_over] == [True]  # NIXL sends after the request ends
     assert sum(s.name == "llm_request" for s in spans) == 2  # vLLM's own span on each server
     assert len({s.span_id for s in spans}) == len(spans)  # ids stay apart across the two servers
+
+    def nixl_transfer(service: str) -> Any:
+        (span,) = [s for s in spans if s.service == service and s.name == "kvcompose.transfer"
+                   and s.attributes["kvcompose.connector.name"] == "nixl"]
+        return span
+
+    sent, received = nixl_transfer("kvcompose-prefill"), nixl_transfer("kvcompose-decode")
+    assert (sent.attributes["kvcompose.transfer.direction"], sent.attributes["kvcompose.transfer.outcome"]) == (
+        "save", "ok")
+    assert (received.attributes["kvcompose.transfer.direction"],
+            received.attributes["kvcompose.transfer.outcome"]) == ("load", "ok")
+    assert sent.duration_ns > 0 and received.duration_ns > 0
+    # The decode side's bytes are NIXL's own count for this request.
+    nixl_bytes = _settled(pd_pair.decode, lambda metrics: _total(
+        metrics, "vllm:nixl_bytes_transferred_sum", connector="nixl") > nixl_bytes_before, SETTLE_S)
+    moved = _total(nixl_bytes, "vllm:nixl_bytes_transferred_sum", connector="nixl") - nixl_bytes_before
+    assert received.attributes["kvcompose.transfer.bytes"] == moved > 0
 
 
 def test_ten_concurrent_requests_complete_and_leave_nothing_waiting(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,7 +13,7 @@ from opentelemetry.trace import StatusCode
 
 from kvcompose.testing import recording
 from kvcompose.testing.steps import forward_step
-from kvcompose.tracing import NoTracing, set_span_exporter
+from kvcompose.tracing import NoTracing
 from kvcompose.tracing import attributes as attr
 from kvcompose.tracing.exporters import traces_url
 from kvcompose.tracing.records import IdSource
@@ -29,14 +29,6 @@ ALLOWED_ATTRIBUTES = {
     attr.LOADED_BY, attr.REQUESTS, attr.LAYER, attr.FINISHED_SENDING, attr.FINISHED_RECVING, attr.ERROR_TYPE,
     attr.TRANSFER_DIRECTION, attr.TRANSFER_BLOCKS, attr.TRANSFER_BYTES, attr.TRANSFER_OUTCOME,
 }
-
-
-@pytest.fixture
-def exporter() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    set_span_exporter(exporter)
-    yield exporter
-    set_span_exporter(None)
 
 
 def _pipeline(tracing: dict[str, Any], hot: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -7,7 +7,7 @@ real engines (OffloadingConnector, NIXL) are in the end-to-end tests.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,19 +18,10 @@ from opentelemetry.trace import StatusCode
 from kvcompose.testing import recording
 from kvcompose.testing.steps import forward_step
 from kvcompose.tracing import attributes as attr
-from kvcompose.tracing import set_span_exporter
 
 from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
 
 TRACEPARENT = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
-
-
-@pytest.fixture
-def exporter() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    set_span_exporter(exporter)
-    yield exporter
-    set_span_exporter(None)
 
 
 def _pair(vllm_config_with: Callable, scripts: dict[str, dict[str, Any]]) -> tuple[Any, Any]:
