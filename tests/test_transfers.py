@@ -10,9 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from kvcompose.testing import recording
@@ -50,7 +48,7 @@ def _admit(scheduler: Any, request: Any) -> None:
     scheduler.update_state_after_alloc(request, make_blocks(1, 2, 3), tokens or 0)
 
 
-def _transfers(exporter: InMemorySpanExporter) -> list[ReadableSpan]:
+def _transfers(exporter: Any) -> list[ReadableSpan]:
     return [span for span in exporter.get_finished_spans() if span.name == "kvcompose.transfer"]
 
 
