@@ -51,7 +51,7 @@ def _hit(scheduler: Any, request: Any, local: int = 0, blocks: tuple[int, ...] =
 def test_failed_lookup_is_a_miss_and_the_next_child_answers(vllm_config_with: Callable) -> None:
     scheduler, _ = _pair(vllm_config_with, {"hot": {"raises": ["get_num_new_matched_tokens"]},
                                             "cold": {"matches": {"r1": [[32, False]]}}})
-    assert scheduler.get_num_new_matched_tokens(make_request("r1"), 0) == (32, False)
+    assert _hit(scheduler, make_request("r1")) == (32, False)
     stats = scheduler.get_kv_connector_stats()
     assert stats.calls.errors == {"hot": {"lookup": {"ScriptedFailure": 1}}}
     assert stats.calls.counter("cold", "lookup_hits") == 1
@@ -84,7 +84,7 @@ def test_a_load_the_child_cannot_make_is_reported_for_recompute(
     assert _hit(scheduler, request, local=block, blocks=(7, 8, 9, 10)) == (2 * block, False)
     # One local block (7); the loaded tokens go to the next two.
     assert _step(scheduler, worker, new=[request])["load_errors"] == {8, 9}
-    assert worker.get_kv_connector_stats().calls.counter("hot", "load_error_blocks") == 2
+    assert worker.get_kv_connector_stats().calls.load_error_blocks("hot") == 2
     if failing != "get_block_ids_with_load_errors":  # known before the layers ran
         assert _calls("cold", "save_kv_layer") == 0  # nothing computed over unfilled blocks is stored
     assert _step(scheduler, worker)["load_errors"] == set()  # reported once

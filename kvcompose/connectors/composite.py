@@ -110,6 +110,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         shape = PipelineShape.of(self.pipeline.name, (c.spec for c in self.children), hma_enabled)
         self._pairing = PairingCheck(shape)  # a prefill/decode pair's pipelines must match
         self._scheduler_ledger = SchedulerLedger(vllm_config.cache_config.block_size)
+        self._steps = 0  # scheduler side: metadata built so far
         self._worker_ledger = WorkerLedger()
 
     def _wrap_child_call(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
@@ -156,6 +157,8 @@ class KVComposeConnector(KVConnectorBase_V1):
     def request_state_sizes(self) -> dict[str, int]:
         """Sizes of the per-request maps that are not empty; none should outlive its requests."""
         sizes = {**self._scheduler_ledger.sizes(), **self._worker_ledger.sizes()}
+        if self._recorder.open_lookups:
+            sizes["lookup_answers"] = self._recorder.open_lookups
         if self._tracing.open_requests:
             sizes["traced_requests"] = self._tracing.open_requests
         return sizes
@@ -275,19 +278,19 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The children's failed blocks, plus those of loads kvcompose gave back
-        for a failed child (counted for that child, less what it reported itself)."""
+        for a failed child (counted for that child, by block id: see the recorder)."""
+        step = self._connector_metadata.step if isinstance(self._connector_metadata, KVComposeMetadata) else -1
         failed: set[int] = set()
-        reported: dict[int, set[int]] = {}
         for child in self.children:
             child_failed = child.get_block_ids_with_load_errors()
             if child_failed is FAILED:
                 self._fail_loads(child.index)
-            else:
+            elif child_failed:
                 failed |= child_failed
-                reported[child.index] = child_failed
+                self._recorder.count_load_errors(child.name, step, child_failed)
         load_errors, given_back = self._worker_ledger.take_load_errors()
         for index, blocks in given_back.items():
-            self._recorder.count_load_errors(self.children[index].name, len(blocks - reported.get(index, set())))
+            self._recorder.count_load_errors(self.children[index].name, step, blocks)
         return failed | load_errors
 
     def get_finished_count(self) -> int | None:
@@ -338,6 +341,7 @@ class KVComposeConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if request.kv_transfer_params:  # a remote prefill's: check the pair's pipelines match
             self._pairing.check(request.kv_transfer_params)
+        self._recorder.lookup_started(request.request_id)
         choice = self._choose_loader(self._loaders, request, num_computed_tokens)
         if choice.num_tokens is None:
             return None, False
@@ -368,6 +372,7 @@ class KVComposeConnector(KVConnectorBase_V1):
                 child.update_state_after_alloc(request, blocks, 0)
         if loading is not None:
             self._scheduler_ledger.plan_load(request.request_id, blocks, num_external_tokens, accepted)
+        self._recorder.request_admitted(request, loading if accepted else None, num_external_tokens)
 
     def on_new_request(self, request: Request) -> None:
         for child in self.children:
@@ -383,7 +388,8 @@ class KVComposeConnector(KVConnectorBase_V1):
                 child_metadata = None
                 self._scheduler_ledger.cancel_loads_of(child.index)
             per_child.append(child_metadata)
-        metadata = KVComposeMetadata(per_child=tuple(per_child))
+        self._steps += 1
+        metadata = KVComposeMetadata(per_child=tuple(per_child), step=self._steps)
         self._scheduler_ledger.fill(metadata)
         metadata.traced_requests = self._tracing.step_requests(scheduler_output, metadata.loads)
         return metadata
@@ -433,6 +439,7 @@ class KVComposeConnector(KVConnectorBase_V1):
                         params.update(child_params)
         finally:
             self._scheduler_ledger.finished(request.request_id, async_savers)
+            self._recorder.request_finished(request.request_id)
             self._tracing.request_finished(request)
         return bool(async_savers), self._pairing.stamp(params)
 
