@@ -90,13 +90,15 @@ class KVComposeConnector(KVConnectorBase_V1):
             and vllm_config.parallel_config.world_size >= DENSE_FROM_WORKERS,
         )
         self._tracing = pipeline_tracer(self.pipeline, role.name.lower())
-        self._guards = [ChildGuard(child, self._breaker_changed) for child in self.pipeline.children]
+        self._guards = [ChildGuard(child, self._breaker_changed, self._recorder.count_isolated_error)
+                        for child in self.pipeline.children]
         self.children = [
             Child(spec, construct_child(spec, role, kv_cache_config), self._wrap_child_call)
             for spec in child_specs(vllm_config, self.pipeline)
         ]
         self._loaders = tuple(c for c in self.children if c.load)
         self._savers = tuple(c for c in self.children if c.save)
+        self._saves_stopped = False  # a load failed this step: no layer saves until it ends
         self._bind_layer_calls()
         self._choose_loader = POLICIES[self.pipeline.load.policy]
         self._check_hma(vllm_config)
@@ -125,20 +127,27 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def _bind_layer_calls(self) -> None:
         """Bind the per-layer calls (made once per layer per step) once, not per
-        call, leaving out children whose circuit is open."""
-        usable = [c for c in self.children if self._guards[c.index].state is not BreakerState.OPEN]
-        self._layer_loads = tuple(c.wait_for_layer_load for c in usable if c.load)
-        self._layer_saves = tuple(c.save_kv_layer for c in usable if c.save)
+        call: only children whose circuit is closed, each call reporting its
+        success to the breaker while its operation has failures to forget; no
+        saves for the rest of a step whose load failed."""
+        closed = [c for c in self.children if self._guards[c.index].state is BreakerState.CLOSED]
+        loads = {self._guards[c.index].layer_call("wait_for_layer_load", c.wait_for_layer_load): c
+                 for c in closed if c.load}
+        saves = {self._guards[c.index].layer_call("save_kv_layer", c.save_kv_layer): c
+                 for c in closed if c.save and not self._saves_stopped}
+        self._layer_loads, self._layer_saves = tuple(loads), tuple(saves)
+        self._layer_owners = {**loads, **saves}
 
     def _isolate_layer_failure(self, call: Callable[..., Any], operation: str, error: Exception) -> bool:
         """A per-layer call raised: True if its child isolates errors (then handled here)."""
-        child = next(c for c in self.children if getattr(c, operation) is call)
+        child = self._layer_owners[call]
         guard = self._guards[child.index]
         if not guard.isolate:
             return False
         guard.failed(operation, error)
         if operation == "wait_for_layer_load":
             self._fail_loads(child.index)
+        self._bind_layer_calls()  # its next call reports a success, or it is left out (circuit open)
         return True
 
     def _fail_loads(self, child_index: int) -> None:
@@ -149,7 +158,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         """A failed synchronous load means this step's forward reads blocks that
         were never filled: what it saves would poison the other tiers, so no
         child saves a layer until the step ends."""
-        if self._layer_saves and any(not plan.load_async for plan in plans):
+        if not self._saves_stopped and any(not plan.load_async for plan in plans):
+            self._saves_stopped = True
             self._layer_saves = ()
             logger.warning("layer saves skipped for this step after a failed load",
                            connector=sorted({self.children[plan.child].name for plan in plans}))
@@ -216,6 +226,7 @@ class KVComposeConnector(KVConnectorBase_V1):
             child.clear_connector_metadata()
         super().clear_connector_metadata()
         self._worker_ledger.end_step()
+        self._saves_stopped = False
         self._bind_layer_calls()
         self._tracing.end_step()
 
@@ -476,9 +487,13 @@ class KVComposeConnector(KVConnectorBase_V1):
         return all(results)
 
     def shutdown(self) -> None:
-        """Shut every child down, then re-raise the last failure, if any."""
+        """Close the tracer and shut every child down, whatever fails; then re-raise the last failure, if any."""
         failure: Exception | None = None
-        self._tracing.close()
+        try:
+            self._tracing.close()
+        except Exception as error:
+            logger.error("tracer failed to close", error_type=type(error).__name__)
+            failure = error
         for child in self.children:
             try:
                 child.shutdown()
