@@ -21,15 +21,16 @@ What the calls meant is counted where vLLM counts it, by the composite's hooks:
 
 Thread safety: vLLM 0.30-0.33 calls a connector from one thread per process,
 but nothing here relies on it. A timed call appends one ``(slot, seconds)``
-tuple, which is atomic; everything else (folding, counting, errors, taking the
-stats) holds a lock, so calls from several threads are counted exactly.
+tuple, and a lookup's answer is one store into its request's list, both atomic;
+folding, counting, errors and taking the stats hold a lock. Calls from several
+threads are counted exactly, and the one thread vLLM uses takes no lock per call.
 """
 
 from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -163,7 +164,7 @@ class PipelineRecorder:
         """Requests looked up and not yet admitted or finished."""
         return len(self._lookups)
 
-    def count_load_errors(self, child_name: str, step: int, block_ids: Iterable[int]) -> None:
+    def count_load_errors(self, child_name: str, step: int, block_ids: Collection[int]) -> None:
         """Blocks the child failed to load in scheduler step ``step`` (reported by it, or
         given back to vLLM by kvcompose after it failed)."""
         if self.enabled and block_ids:
