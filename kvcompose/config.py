@@ -64,7 +64,10 @@ class CircuitBreakerSection(_Section):
     """Skip a failing child for a while instead of calling it on every step."""
 
     enabled: bool = True
-    failures: Annotated[int, Field(ge=1)] = Field(5, description="Consecutive failed calls that open the circuit.")
+    failures: Annotated[int, Field(ge=1)] = Field(
+        5, description="Consecutive failed calls of one data-path operation (lookup, load, save, ...) that open "
+        "the circuit."
+    )
     cooldown_s: Annotated[float, Field(gt=0)] = Field(
         30.0, description="Seconds the child is skipped before one probing call is let through."
     )

@@ -277,6 +277,8 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     from kvcompose.metrics.recorder import PipelineRecorder
     from kvcompose.metrics.transfers import TransferRecorder
 
+    from .connector_support import make_request
+
     registry = CollectorRegistry()
     metric_types: dict[type, Any] = {kind: functools.partial(kind, registry=registry)
                                      for kind in (Counter, Gauge, Histogram)}
@@ -286,12 +288,16 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     specs = {spec.name: spec for spec in child_specs(config, load_pipeline(NATIVE_PIPELINE))}
 
     recorder = PipelineRecorder(True, load_pipeline(NATIVE_PIPELINE).metrics.latency_buckets, list(specs))
-    for child in specs:  # a call of every kind that feeds a kvcompose series
+    for index, child in enumerate(specs):  # a call of every kind that feeds a kvcompose series
         lookup = recorder.wrap(child, "get_num_new_matched_tokens", lambda request, computed: (computed, False))
-        lookup(None, 16)  # a hit
-        lookup(None, 0)  # a miss
-        recorder.wrap(child, "update_state_after_alloc", lambda request, blocks, tokens: None)(None, None, 16)
+        alloc = recorder.wrap(child, "update_state_after_alloc", lambda request, blocks, tokens: None)
+        for request, tokens in ((make_request(f"{child}-hit"), 16), (make_request(f"{child}-miss"), 0)):
+            recorder.lookup_started(request.request_id)
+            lookup(request, tokens)
+            alloc(request, None, tokens)
+            recorder.request_admitted(request, index if tokens else None, tokens)
         recorder.wrap(child, "get_block_ids_with_load_errors", lambda: {1})()
+        recorder.count_load_errors(child, 1, {1})
         with contextlib.suppress(OSError):
             recorder.wrap(child, "start_load_kv", _raise_os_error)(None)
 

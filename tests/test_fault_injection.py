@@ -349,7 +349,7 @@ def test_through_the_composite_lies_count_as_load_errors_and_faults_by_type(
 
     calls = worker.get_kv_connector_stats().calls
     assert calls.errors["flaky"] == {"start_load_kv": {"InjectedFault": 1}}
-    assert calls.counter("flaky", "load_error_blocks") == 3
+    assert calls.load_error_blocks("flaky") == 3
 
 
 # ---------------------------------------------------------------- stats and metrics of the inner connector

@@ -7,6 +7,7 @@ failed receive (async), a failed async save as done so the blocks are freed.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvcompose.connectors.isolation import BreakerState
+from kvcompose.metrics.table import CallTable
 from kvcompose.testing import recording
 from kvcompose.testing.steps import forward_step
 
@@ -51,7 +53,7 @@ def _hit(scheduler: Any, request: Any, local: int = 0, blocks: tuple[int, ...] =
 def test_failed_lookup_is_a_miss_and_the_next_child_answers(vllm_config_with: Callable) -> None:
     scheduler, _ = _pair(vllm_config_with, {"hot": {"raises": ["get_num_new_matched_tokens"]},
                                             "cold": {"matches": {"r1": [[32, False]]}}})
-    assert scheduler.get_num_new_matched_tokens(make_request("r1"), 0) == (32, False)
+    assert _hit(scheduler, make_request("r1")) == (32, False)
     stats = scheduler.get_kv_connector_stats()
     assert stats.calls.errors == {"hot": {"lookup": {"ScriptedFailure": 1}}}
     assert stats.calls.counter("cold", "lookup_hits") == 1
@@ -62,6 +64,9 @@ def test_failed_saves_do_not_stop_the_other_child(vllm_config_with: Callable) ->
     _step(scheduler, worker, new=[make_request("r1")])
     assert _calls("hot", "save_kv_layer") == 2  # tried on both layers
     assert _calls("cold", "save_kv_layer") == 2 and _calls("cold", "wait_for_save") == 1
+    # Counted whether timed or not (per-layer calls are timed only with metrics.per_layer).
+    assert worker.get_kv_connector_stats().calls.errors == {
+        "hot": {"save_kv_layer": {"ScriptedFailure": 2}, "wait_for_save": {"ScriptedFailure": 1}}}
 
 
 def test_on_error_raise_lets_the_error_reach_vllm(vllm_config_with: Callable) -> None:
@@ -84,7 +89,7 @@ def test_a_load_the_child_cannot_make_is_reported_for_recompute(
     assert _hit(scheduler, request, local=block, blocks=(7, 8, 9, 10)) == (2 * block, False)
     # One local block (7); the loaded tokens go to the next two.
     assert _step(scheduler, worker, new=[request])["load_errors"] == {8, 9}
-    assert worker.get_kv_connector_stats().calls.counter("hot", "load_error_blocks") == 2
+    assert worker.get_kv_connector_stats().calls.load_error_blocks("hot") == 2
     if failing != "get_block_ids_with_load_errors":  # known before the layers ran
         assert _calls("cold", "save_kv_layer") == 0  # nothing computed over unfilled blocks is stored
     assert _step(scheduler, worker)["load_errors"] == set()  # reported once
@@ -187,3 +192,131 @@ def test_breaker_changes_are_span_events_even_outside_a_traced_call(vllm_config_
     assert span.name == "kvcompose.circuit_breaker"
     assert [(event.name, dict(event.attributes)) for event in span.events] == [
         ("kvcompose.circuit_breaker", {"kvcompose.connector.name": "hot", "state": "open"})]
+
+
+def _breaker(connector: Any, child: str = "hot") -> dict[str, int] | None:
+    """The child's breaker report in the connector's next stats (None: closed and unchanged)."""
+    stats = connector.get_kv_connector_stats()
+    return stats.breakers.get(child) if stats is not None else None
+
+
+def _errors(connector: Any) -> dict[str, Any]:
+    stats = connector.get_kv_connector_stats()
+    calls: CallTable | None = stats.calls if stats is not None else None
+    return calls.errors if calls is not None else {}
+
+
+def test_cheap_successes_do_not_keep_a_failing_lookup_circuit_closed(vllm_config_with: Callable) -> None:
+    from vllm.v1.outputs import KVConnectorOutput
+
+    scheduler, _ = _pair(vllm_config_with, {"hot": {"raises": ["get_num_new_matched_tokens"]}, "cold": {}},
+                         circuit_breaker={"failures": 5, "cooldown_s": 60})
+    for index in range(1000):  # a scheduler step each: a lookup, then the per-step calls, which succeed
+        scheduler.get_num_new_matched_tokens(make_request(f"r{index}"), 0)
+        scheduler.build_connector_meta(scheduler_output())
+        scheduler.update_connector_output(KVConnectorOutput())
+        scheduler.has_pending_block_frees()
+        list(scheduler.take_events())
+    assert _calls("hot", "get_num_new_matched_tokens") == 5  # opened by the fifth failure in a row
+    assert _calls("hot", "build_connector_meta") == 4  # skipped too once open
+    assert _breaker(scheduler) == {"state": BreakerState.OPEN, "opens": 1}
+
+
+def test_failures_of_housekeeping_calls_are_counted_but_never_open_the_circuit(vllm_config_with: Callable) -> None:
+    from vllm.v1.outputs import KVConnectorOutput
+
+    scheduler, _ = _pair(vllm_config_with, {"hot": {"raises": ["update_connector_output"]}, "cold": {}},
+                         circuit_breaker={"failures": 2})
+    for _ in range(10):
+        scheduler.update_connector_output(KVConnectorOutput())
+    assert _calls("hot", "update_connector_output") == 10
+    assert _errors(scheduler) == {"hot": {"update_connector_output": {"ScriptedFailure": 10}}}
+    assert _breaker(scheduler) is None
+
+
+def test_half_open_lets_one_data_path_probe_decide(vllm_config_with: Callable) -> None:
+    scheduler, _ = _pair(vllm_config_with, {"hot": {"raises": ["get_num_new_matched_tokens"]}, "cold": {}},
+                         circuit_breaker={"failures": 1, "cooldown_s": 0.1})
+    scheduler.get_num_new_matched_tokens(make_request("a"), 0)  # opens
+    time.sleep(0.15)
+    scheduler.children[0].connector.script["raises"] = []
+    scheduler.build_connector_meta(scheduler_output())  # a housekeeping call goes through: half open
+    assert _calls("hot", "build_connector_meta") == 1
+    assert _breaker(scheduler) == {"state": BreakerState.HALF_OPEN, "opens": 1}  # its success closes nothing
+
+    # While the probe runs, other lookups skip the child.
+    gate = recording.GATES["probe"] = recording.Gate()
+    scheduler.children[0].connector.script["gates"] = {"get_num_new_matched_tokens": "probe"}
+    probe = threading.Thread(target=scheduler.get_num_new_matched_tokens, args=(make_request("probe"), 0))
+    probe.start()
+    try:
+        assert gate.entered.wait(30)
+        assert [scheduler.get_num_new_matched_tokens(make_request(f"during{i}"), 0) for i in range(3)] == [
+            (0, False)] * 3
+    finally:
+        gate.open()
+        probe.join(30)
+    assert _calls("hot", "get_num_new_matched_tokens") == 2  # the opening failure and the probe
+    assert _calls("cold", "get_num_new_matched_tokens") == 5
+    assert _breaker(scheduler) == {"state": BreakerState.CLOSED, "opens": 0}
+
+
+def test_per_layer_outcomes_count_for_the_breaker(vllm_config_with: Callable) -> None:
+    _, worker = _pair(vllm_config_with, {"hot": {}, "cold": {}}, circuit_breaker={"failures": 2, "cooldown_s": 60})
+    hot = worker.children[0].connector
+    for layer in range(6):  # every other layer fails: never two in a row
+        hot.script["raises"] = ["save_kv_layer"] if layer % 2 == 0 else []
+        worker.save_kv_layer(f"layer.{layer}", None, None)
+    assert _calls("hot", "save_kv_layer") == 6 and _breaker(worker) is None
+    hot.script["raises"] = ["save_kv_layer"]
+    for layer in range(6, 9):
+        worker.save_kv_layer(f"layer.{layer}", None, None)
+    assert _calls("hot", "save_kv_layer") == 8  # two failures in a row opened it
+    assert _breaker(worker) == {"state": BreakerState.OPEN, "opens": 1}
+    assert _calls("cold", "save_kv_layer") == 9
+
+
+def test_saves_stay_off_for_the_step_of_a_failed_load_when_a_circuit_opens(
+    vllm_config_with: Callable, base_vllm_config: Any
+) -> None:
+    block = base_vllm_config.cache_config.block_size
+    scripts = {"hot": {"matches": {"r1": [[2 * block, False]]}, "raises": ["start_load_kv"]},
+               "cold": {"raises": ["wait_for_layer_load"]}}
+    breakers = {"hot": {"failures": 5}, "cold": {"failures": 1, "cooldown_s": 60}}
+    children = []
+    for name, script in scripts.items():
+        recording.CALL_LOGS.pop(f"isolation/{name}", None)
+        children.append({"name": name, **RECORDING, "config": {"log": f"isolation/{name}", "script": script},
+                         "circuit_breaker": breakers[name]})
+    scheduler, worker = composite_pair(vllm_config_with, {"version": 1, "name": "iso", "children": children})
+    request = make_request("r1")
+    _hit(scheduler, request, blocks=(7, 8))
+    outcome = _step(scheduler, worker, new=[request])  # hot's load fails; cold's circuit opens on layer 0
+    assert outcome["load_errors"] == {7, 8}
+    assert _breaker(worker, "cold")["state"] == BreakerState.OPEN
+    assert _calls("hot", "save_kv_layer") == _calls("cold", "save_kv_layer") == 0
+    _step(scheduler, worker)
+    assert _calls("hot", "save_kv_layer") == 2  # saves again the next step (cold's circuit is still open)
+
+
+def test_a_failure_while_events_are_iterated_is_isolated(vllm_config_with: Callable) -> None:
+    scheduler, _ = _pair(vllm_config_with, {"hot": {"events": [[1], [2], [3]], "events_fail_after": 2},
+                                            "cold": {"events": [[9]]}})
+    events = scheduler.take_events()  # iterated by vLLM's scheduler, after the call returned
+    collected = list(events) if events else []
+    assert [event.block_hashes for event in collected] == [[1], [2], [9]]  # hot's events so far, then cold's
+    assert _errors(scheduler) == {"hot": {"take_events": {"ScriptedFailure": 1}}}
+
+
+def test_children_shut_down_when_the_tracer_fails_to_close(
+    vllm_config_with: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scheduler, _ = _pair(vllm_config_with, {"hot": {}, "cold": {}})
+
+    def fail_to_close() -> None:
+        raise RuntimeError("collector gone")
+
+    monkeypatch.setattr(scheduler._tracing, "close", fail_to_close)
+    with pytest.raises(RuntimeError, match="collector gone"):
+        scheduler.shutdown()
+    assert _calls("hot", "shutdown") == _calls("cold", "shutdown") == 1

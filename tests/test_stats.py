@@ -33,14 +33,17 @@ def _table_dicts() -> st.SearchStrategy[dict[str, Any]]:
     cells = len(CHILDREN) * len(OPS) * (len(BOUNDS) + 1)
     # Integer-valued sums keep float addition exact, so equality is exact.
     return st.builds(
-        lambda used, counters, errors: CallTable(
+        lambda used, counters, errors, load_errors: CallTable(
             CHILDREN, len(BOUNDS) + 1, {cell: [count, float(seconds)] for cell, (count, seconds) in used.items()},
-            counters, errors).to_dict(),
+            counters, errors, load_errors).to_dict(),
         st.dictionaries(st.integers(0, cells - 1), st.tuples(st.integers(1, 50), st.integers(0, 1000)), max_size=40),
         st.lists(st.integers(0, 100), min_size=len(CHILDREN) * len(COUNTERS), max_size=len(CHILDREN) * len(COUNTERS)),
         st.dictionaries(st.sampled_from(CHILDREN), st.dictionaries(
             st.sampled_from(OPS), st.dictionaries(st.sampled_from(["OSError", "KeyError"]), st.integers(1, 5),
                                                   min_size=1, max_size=2), min_size=1, max_size=2), max_size=2),
+        # Few steps and block ids, so that merged payloads share some.
+        st.dictionaries(st.sampled_from(CHILDREN), st.dictionaries(
+            st.integers(1, 3), st.sets(st.integers(0, 6), min_size=1, max_size=4), min_size=1, max_size=2), max_size=2),
     )
 
 
@@ -138,10 +141,10 @@ def test_stats_of_another_kvcompose_version_are_refused_with_a_reason() -> None:
 
 def test_buckets_follow_prometheus_le() -> None:
     cells: dict[int, list[Any]] = {}
-    bucket_latencies([0] * 5, [0.0005, 0.001, 0.002, 0.1, 5.0], BOUNDS, into=cells)
+    bucket_latencies([(0, seconds) for seconds in (0.0005, 0.001, 0.002, 0.1, 5.0)], BOUNDS, into=cells)
     assert {cell: count for cell, (count, _) in cells.items()} == {0: 2, 1: 1, 2: 1, 3: 1}
     assert [cells[cell][1] for cell in range(4)] == pytest.approx([0.0015, 0.002, 0.1, 5.0])
-    bucket_latencies([1], [0.05], BOUNDS, into=cells)  # the next slot's cells follow
+    bucket_latencies([(1, 0.05)], BOUNDS, into=cells)  # the next slot's cells follow
     assert cells[len(BOUNDS) + 1 + 2] == [1, 0.05]
 
 
@@ -160,28 +163,35 @@ def _boom(*args: Any) -> None:
 
 
 def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
+    from .connector_support import make_request
+
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot", "cold"], per_layer=True)
     lookup = recorder.wrap("hot", "get_num_new_matched_tokens", lambda request, n: (n, False))
     alloc = recorder.wrap("hot", "update_state_after_alloc", lambda request, blocks, n: None)
     errors = recorder.wrap("hot", "get_block_ids_with_load_errors", lambda: {3, 4})
     save = recorder.wrap("cold", "save_kv_layer", _boom)
     assert recorder.wrap("hot", "shutdown", _boom) is _boom  # not a recorded operation
-    assert lookup(None, 32) == (32, False) and lookup(None, 0) == (0, False)
-    alloc(None, None, 32)
+    for request, tokens in ((make_request("r1"), 32), (make_request("r2"), 0)):
+        recorder.lookup_started(request.request_id)
+        assert lookup(request, tokens) == (tokens, False)
+        alloc(request, None, tokens)
+        recorder.request_admitted(request, 0 if tokens else None, tokens)
     assert errors() == {3, 4}
     with pytest.raises(Failing):
         save("layer.0", None, None)
-    recorder.count_load_errors("cold", 5)
+    recorder.count_load_errors("hot", 1, {3, 4})
+    recorder.count_load_errors("cold", 1, range(5))
 
     table = recorder.take()
     assert table is not None
     assert {name: table.counter("hot", name) for name in COUNTERS} == {
-        "lookup_hits": 1, "lookup_misses": 1, "matched_tokens": 32, "loaded_tokens": 32, "load_error_blocks": 2}
-    assert table.counter("cold", "load_error_blocks") == 5
+        "lookup_hits": 1, "lookup_misses": 1, "matched_tokens": 32, "loaded_tokens": 32}
+    assert not any(table.counter("cold", name) for name in COUNTERS)  # cold was not asked
+    assert (table.load_error_blocks("hot"), table.load_error_blocks("cold")) == (2, 5)
     assert table.errors == {"cold": {"save_kv_layer": {"Failing": 1}}}
     assert table.call_count("hot", "lookup") == 2 and table.call_count("cold", "save_kv_layer") == 1
     assert table.call_count("cold", "lookup") == 0
-    assert sum(count for count, _ in table.cells.values()) == 5  # every timed call, the failed one too
+    assert sum(count for count, _ in table.cells.values()) == 6  # every timed call, the failed one too
     assert recorder.take() is None
 
 
@@ -191,7 +201,7 @@ def test_pending_latencies_are_folded_before_they_pile_up(monkeypatch: pytest.Mo
     wait = recorder.wrap("hot", "wait_for_save", lambda: None)
     for _ in range(20):
         wait()
-    assert len(recorder._slots) < 8  # folded twice on the way
+    assert len(recorder._pending) < 8  # folded twice on the way
     assert recorder.take().call_count("hot", "wait_for_save") == 20
 
 
@@ -250,8 +260,68 @@ def test_metrics_off_wraps_nothing() -> None:
 
 
 def test_reduce_reports_per_child_numbers() -> None:
+    from .connector_support import make_request
+
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"])
-    recorder.wrap("hot", "get_num_new_matched_tokens", lambda r, n: (16, False))(None, 0)
+    request = make_request("r1")
+    recorder.lookup_started(request.request_id)
+    recorder.wrap("hot", "get_num_new_matched_tokens", lambda r, n: (16, False))(request, 0)
+    recorder.request_admitted(request, 0, 16)
     reduced = KVComposeStats(data={"calls": recorder.take()}).reduce()
     assert reduced["hot.lookup_hits"] == 1 and reduced["hot.lookup.calls"] == 1
     assert reduced["hot.lookup.mean_ms"] >= 0 and "hot.wait_for_save.calls" not in reduced
+
+
+def test_calls_from_two_threads_are_counted_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM calls a connector from one thread per process; the recorder must not miscount if that changes."""
+    import sys
+    import threading
+
+    from .connector_support import make_request
+
+    monkeypatch.setattr(recorder_module, "MAX_PENDING_CALLS", 64)  # folds while the other thread appends
+    recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot", "cold"])
+    waits = {child: recorder.wrap(child, "wait_for_save", lambda: None) for child in ("hot", "cold")}
+    loads = {child: recorder.wrap(child, "start_load_kv", _boom) for child in ("hot", "cold")}
+    lookups = {child: recorder.wrap(child, "get_num_new_matched_tokens", lambda request, n: (16, False))
+               for child in ("hot", "cold")}
+    requests = {child: [make_request(f"{child}-{i}") for i in range(200)] for child in ("hot", "cold")}
+    calls = 20_000
+
+    def work(child: str) -> None:
+        for i in range(calls):
+            waits[child]()
+            if i % 100 == 0:
+                with pytest.raises(Failing):
+                    loads[child](None)
+                request = requests[child][i // 100]
+                recorder.lookup_started(request.request_id)
+                lookups[child](request, 0)
+                recorder.request_admitted(request, 0, 16)
+                recorder.count_load_errors(child, i, {i})
+
+    threads = [threading.Thread(target=work, args=(child,)) for child in ("hot", "cold")]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        for thread in threads:
+            thread.start()
+        tables = []
+        while any(thread.is_alive() for thread in threads):
+            tables.append(recorder.take())  # a third thread takes the stats meanwhile
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    tables.append(recorder.take())
+    merged = CallTable(("hot", "cold"), len(DEFAULT_LATENCY_BUCKETS) + 1)
+    for table in filter(None, tables):
+        merged.add(table)
+    for child in ("hot", "cold"):
+        assert merged.call_count(child, "wait_for_save") == calls
+        assert merged.call_count(child, "start_load_kv") == merged.errors[child]["start_load_kv"]["Failing"] == 200
+        assert merged.call_count(child, "lookup") == 200
+    # Each thread's lookups are its own child's; the other child was not asked about them.
+    assert merged.counter("hot", "lookup_hits") == merged.counter("cold", "lookup_hits") == 200
+    assert merged.counter("hot", "loaded_tokens") == 2 * 200 * 16  # child 0 is named the loader of every request
+    assert merged.load_error_blocks("hot") == merged.load_error_blocks("cold") == 200

@@ -93,13 +93,24 @@ class KVComposeConnector(KVConnectorBase_V1):
             and vllm_config.parallel_config.world_size >= DENSE_FROM_WORKERS,
         )
         self._tracing = pipeline_tracer(self.pipeline, role.name.lower())
-        self._guards = [ChildGuard(child, self._breaker_changed) for child in self.pipeline.children]
+        self._guards = [ChildGuard(child, self._breaker_changed, self._recorder.count_isolated_error)
+                        for child in self.pipeline.children]
         self.children = [
             Child(spec, construct_child(spec, role, kv_cache_config), self._wrap_child_call)
             for spec in child_specs(vllm_config, self.pipeline)
         ]
         self._loaders = tuple(c for c in self.children if c.load)
         self._savers = tuple(c for c in self.children if c.save)
+        self._saves_stopped = False  # a load failed this step: no layer saves until it ends
+        observed = self.pipeline.metrics.enabled or self.pipeline.tracing.enabled
+        self._note_saves = observed and role is KVConnectorRole.SCHEDULER
+        self._transfer_recorder = TransferRecorder(
+            self.pipeline.metrics.enabled, [c.name for c in self.children], self.pipeline.metrics.transfer_buckets)
+        self._transfers = TransferTracker(
+            [c.spec for c in self.children], self._guards,
+            bytes_per_block(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size),
+            self._transfer_recorder, self._tracing,
+        ) if observed and role is KVConnectorRole.WORKER and is_first_worker() else None
         self._bind_layer_calls()
         self._choose_loader = POLICIES[self.pipeline.load.policy]
         self._check_hma(vllm_config)
@@ -113,16 +124,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         shape = PipelineShape.of(self.pipeline.name, (c.spec for c in self.children), hma_enabled)
         self._pairing = PairingCheck(shape)  # a prefill/decode pair's pipelines must match
         self._scheduler_ledger = SchedulerLedger(vllm_config.cache_config.block_size)
+        self._steps = 0  # scheduler side: metadata built so far
         self._worker_ledger = WorkerLedger()
-        observed = self.pipeline.metrics.enabled or self.pipeline.tracing.enabled
-        self._note_saves = observed and role is KVConnectorRole.SCHEDULER
-        self._transfer_recorder = TransferRecorder(
-            self.pipeline.metrics.enabled, [c.name for c in self.children], self.pipeline.metrics.transfer_buckets)
-        self._transfers = TransferTracker(
-            [c.spec for c in self.children], self._guards,
-            bytes_per_block(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size),
-            self._transfer_recorder, self._tracing,
-        ) if observed and role is KVConnectorRole.WORKER and is_first_worker() else None
 
     def _wrap_child_call(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
         """Where each child operation is wrapped, once, at start-up: timing
@@ -137,20 +140,30 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def _bind_layer_calls(self) -> None:
         """Bind the per-layer calls (made once per layer per step) once, not per
-        call, leaving out children whose circuit is open."""
-        usable = [c for c in self.children if self._guards[c.index].state is not BreakerState.OPEN]
-        self._layer_loads = tuple(c.wait_for_layer_load for c in usable if c.load)
-        self._layer_saves = tuple(c.save_kv_layer for c in usable if c.save)
+        call: only children whose circuit is closed, each call reporting its
+        success to the breaker while its operation has failures to forget; no
+        saves for the rest of a step whose load failed."""
+        closed = [c for c in self.children if self._guards[c.index].state is BreakerState.CLOSED]
+        loads = {self._guards[c.index].layer_call("wait_for_layer_load", c.wait_for_layer_load): c
+                 for c in closed if c.load}
+        saves = {self._guards[c.index].layer_call("save_kv_layer", c.save_kv_layer): c
+                 for c in closed if c.save and not self._saves_stopped}
+        # A step with sync loads also marks their end after its last layer wait.
+        transfers = self._transfers
+        load_end = (transfers.layer_waited,) if transfers is not None and transfers.waits_for_loads else ()
+        self._layer_loads, self._layer_saves = tuple(loads) + load_end, tuple(saves)
+        self._layer_owners = {**loads, **saves}
 
     def _isolate_layer_failure(self, call: Callable[..., Any], operation: str, error: Exception) -> bool:
         """A per-layer call raised: True if its child isolates errors (then handled here)."""
-        child = next(c for c in self.children if getattr(c, operation) is call)
+        child = self._layer_owners[call]
         guard = self._guards[child.index]
         if not guard.isolate:
             return False
         guard.failed(operation, error)
         if operation == "wait_for_layer_load":
             self._fail_loads(child.index)
+        self._bind_layer_calls()  # its next call reports a success, or it is left out (circuit open)
         return True
 
     def _fail_loads(self, child_index: int) -> None:
@@ -161,7 +174,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         """A failed synchronous load means this step's forward reads blocks that
         were never filled: what it saves would poison the other tiers, so no
         child saves a layer until the step ends."""
-        if self._layer_saves and any(not plan.load_async for plan in plans):
+        if not self._saves_stopped and any(not plan.load_async for plan in plans):
+            self._saves_stopped = True
             self._layer_saves = ()
             if self._transfers is not None:
                 self._transfers.saves_skipped()
@@ -173,6 +187,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         sizes = {**self._scheduler_ledger.sizes(), **self._worker_ledger.sizes()}
         if self._transfers is not None:
             sizes.update(self._transfers.sizes())
+        if self._recorder.open_lookups:
+            sizes["lookup_answers"] = self._recorder.open_lookups
         if self._tracing.open_requests:
             sizes["traced_requests"] = self._tracing.open_requests
         return sizes
@@ -218,12 +234,12 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(connector_metadata, KVComposeMetadata)
-        self._loads_failed(self._worker_ledger.begin_step(connector_metadata))
         self._tracing.begin_step(connector_metadata.traced_requests, connector_metadata.loads)
         if (transfers := self._transfers) is not None:
             transfers.begin_step(connector_metadata)
-            if transfers.waits_for_loads:  # the step's last layer wait ends its sync loads
-                self._layer_loads += (transfers.layer_waited,)
+            if transfers.waits_for_loads:
+                self._bind_layer_calls()
+        self._loads_failed(self._worker_ledger.begin_step(connector_metadata))
         for child, metadata in zip(self.children, connector_metadata.per_child, strict=True):
             if child.bind_connector_metadata(metadata) is FAILED:
                 self._fail_loads(child.index)
@@ -234,6 +250,7 @@ class KVComposeConnector(KVConnectorBase_V1):
             child.clear_connector_metadata()
         super().clear_connector_metadata()
         self._worker_ledger.end_step()
+        self._saves_stopped = False
         self._bind_layer_calls()
         if self._transfers is not None:
             self._transfers.end_step()
@@ -308,19 +325,19 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The children's failed blocks, plus those of loads kvcompose gave back
-        for a failed child (counted for that child, less what it reported itself)."""
+        for a failed child (counted for that child, by block id: see the recorder)."""
+        step = self._connector_metadata.step if isinstance(self._connector_metadata, KVComposeMetadata) else -1
         failed: set[int] = set()
-        reported: dict[int, set[int]] = {}
         for child in self.children:
             child_failed = child.get_block_ids_with_load_errors()
             if child_failed is FAILED:
                 self._fail_loads(child.index)
-            else:
+            elif child_failed:
                 failed |= child_failed
-                reported[child.index] = child_failed
+                self._recorder.count_load_errors(child.name, step, child_failed)
         load_errors, given_back = self._worker_ledger.take_load_errors()
         for index, blocks in given_back.items():
-            self._recorder.count_load_errors(self.children[index].name, len(blocks - reported.get(index, set())))
+            self._recorder.count_load_errors(self.children[index].name, step, blocks)
         if self._transfers is not None:
             self._transfers.load_errors(failed | load_errors)
         return failed | load_errors
@@ -387,6 +404,7 @@ class KVComposeConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if request.kv_transfer_params:  # a remote prefill's: check the pair's pipelines match
             self._pairing.check(request.kv_transfer_params)
+        self._recorder.lookup_started(request.request_id)
         choice = self._choose_loader(self._loaders, request, num_computed_tokens)
         if choice.num_tokens is None:
             return None, False
@@ -417,6 +435,7 @@ class KVComposeConnector(KVConnectorBase_V1):
                 child.update_state_after_alloc(request, blocks, 0)
         if loading is not None:
             self._scheduler_ledger.plan_load(request.request_id, blocks, num_external_tokens, accepted)
+        self._recorder.request_admitted(request, loading if accepted else None, num_external_tokens)
 
     def on_new_request(self, request: Request) -> None:
         for child in self.children:
@@ -432,7 +451,8 @@ class KVComposeConnector(KVConnectorBase_V1):
                 child_metadata = None
                 self._scheduler_ledger.cancel_loads_of(child.index)
             per_child.append(child_metadata)
-        metadata = KVComposeMetadata(per_child=tuple(per_child))
+        self._steps += 1
+        metadata = KVComposeMetadata(per_child=tuple(per_child), step=self._steps)
         self._scheduler_ledger.fill(metadata)
         if self._note_saves:
             metadata.saves = {new.req_id: len(new.block_ids[0]) if new.block_ids else 0
@@ -485,6 +505,7 @@ class KVComposeConnector(KVConnectorBase_V1):
                         params.update(child_params)
         finally:
             self._scheduler_ledger.finished(request.request_id, async_savers)
+            self._recorder.request_finished(request.request_id)
             self._tracing.request_finished(request, saves_async=bool(async_savers))
         return bool(async_savers), self._pairing.stamp(params)
 
@@ -521,11 +542,15 @@ class KVComposeConnector(KVConnectorBase_V1):
         return all(results)
 
     def shutdown(self) -> None:
-        """Shut every child down, then re-raise the last failure, if any."""
+        """Close the tracer and shut every child down, whatever fails; then re-raise the last failure, if any."""
         failure: Exception | None = None
         if self._transfers is not None:
             self._transfers.close()
-        self._tracing.close()
+        try:
+            self._tracing.close()
+        except Exception as error:
+            logger.error("tracer failed to close", error_type=type(error).__name__)
+            failure = error
         for child in self.children:
             try:
                 child.shutdown()

@@ -23,6 +23,8 @@ class KVComposeMetadata(KVConnectorMetadata):
     """One metadata object per child (pipeline order), plus shared bookkeeping."""
 
     per_child: tuple[KVConnectorMetadata | None, ...]
+    # The scheduler's step number: every worker of a step sees the same one (load-error stats are keyed by it).
+    step: int = 0
     # request id -> indices of the children that save it asynchronously; the
     # workers report it sent once all of them are done (or have failed).
     async_saves: dict[str, tuple[int, ...]] | None = None

@@ -43,7 +43,6 @@ _COUNTER_SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "lookup_misses": ("lookups", ("miss",)),
     "matched_tokens": ("matched_tokens", ()),
     "loaded_tokens": ("loaded_tokens", ()),
-    "load_error_blocks": ("load_error_blocks", ()),
 }
 
 
@@ -128,6 +127,7 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
                 # Each counter starts at 0, so its first increase shows in rate() and increase().
                 for metric, extra_labels in _COUNTER_SERIES.values():
                     getattr(self, metric).labels(*engine_labels, spec.name, *extra_labels)
+                self.load_error_blocks.labels(*engine_labels, spec.name)
         # (engine, child, op) -> histogram series: labels() costs more than an observation.
         self._duration_series: dict[tuple[int, str, str], Any] = {}
         self._transfers = TransferSeries(metric_types, names, per_engine_labelvalues, [spec.name for spec in specs],
@@ -175,6 +175,9 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
                 row, column = divmod(index, len(COUNTERS))
                 metric, extra_labels = _COUNTER_SERIES[COUNTERS[column]]
                 getattr(self, metric).labels(*engine_labels, table.children[row], *extra_labels).inc(amount)
+        for child in table.load_errors:
+            if blocks := table.load_error_blocks(child):
+                self.load_error_blocks.labels(*engine_labels, child).inc(blocks)
         for child, by_op in table.errors.items():
             for op, by_type in by_op.items():
                 for error_type, count in by_type.items():

@@ -1,21 +1,43 @@
 """Per-process recording of every child call: latency, errors and what the call meant.
 
 The composite asks :meth:`PipelineRecorder.wrap` to wrap each child operation
-once, at start-up. A wrapped call costs two clock reads and two list appends;
+once, at start-up. A wrapped call costs two clock reads and one list append;
 latencies are sorted into buckets only when vLLM asks for the step's stats
-(:meth:`PipelineRecorder.take`). For the operations in ``_RESULT_COUNTERS``
-the wrapper also counts what the call meant (a lookup hit or miss, tokens
-matched or loaded, blocks that failed to load).
+(:meth:`PipelineRecorder.take`).
+
+What the calls meant is counted where vLLM counts it, by the composite's hooks:
+
+- lookups (hit or miss, tokens matched) once per admitted request, when vLLM
+  allocates its blocks (``update_state_after_alloc``), from the children's
+  answers in the request's last lookup round: vLLM asks again every step while
+  a request waits for blocks, and counts its own external-cache hits at
+  admission too. Like vLLM's hit ratio, a request readmitted after preemption
+  is not counted again. Every lookup call is still timed (the ``lookup``
+  operation's call count includes the retries);
+- tokens loaded, at admission, for the child chosen to load;
+- blocks that failed to load, as block ids per scheduler step (see
+  :class:`~kvcompose.metrics.table.CallTable`), so merging the workers' stats
+  takes the union vLLM takes.
+
+Thread safety: vLLM 0.30-0.33 calls a connector from one thread per process,
+but nothing here relies on it. A timed call appends one ``(slot, seconds)``
+tuple, and a lookup's answer is one store into its request's list, both atomic;
+folding, counting, errors and taking the stats hold a lock. Calls from several
+threads are counted exactly, and the one thread vLLM uses takes no lock per call.
 """
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvcompose.metrics.table import COUNTERS, OPS, CallTable, Cells, ErrorCounts
+from kvcompose.metrics.table import COUNTERS, OPS, CallTable, Cells, ErrorCounts, LoadErrors
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 # Operations recorded, as they are named in Prometheus' ``op`` label.
 OPERATION_LABELS: dict[str, str] = {
@@ -37,6 +59,8 @@ PER_LAYER_OPERATIONS: dict[str, str] = {
     "save_kv_layer": "save_kv_layer",
 }
 
+LOOKUP = "get_num_new_matched_tokens"
+
 # From this many workers up, a worker ships its table dense: the scheduler then
 # merges each worker's table in one array operation (see kvcompose.metrics.table).
 DENSE_FROM_WORKERS = 8
@@ -46,34 +70,8 @@ DENSE_FROM_WORKERS = 8
 MAX_PENDING_CALLS = 1 << 16
 
 _NO_COUNTS = [0] * len(COUNTERS)
-_HITS, _MISSES, _MATCHED, _LOADED, _LOAD_ERRORS = (COUNTERS.index(name) for name in (
-    "lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens", "load_error_blocks"))
-
-
-def _count_lookup(counts: list[int], args: tuple[Any, ...], result: Any) -> None:
-    tokens = result[0]
-    if tokens is None:
-        return
-    if tokens > 0:
-        counts[_HITS] += 1
-        counts[_MATCHED] += tokens
-    else:
-        counts[_MISSES] += 1
-
-
-def _count_loaded(counts: list[int], args: tuple[Any, ...], result: Any) -> None:
-    counts[_LOADED] += args[2]
-
-
-def _count_load_errors(counts: list[int], args: tuple[Any, ...], result: Any) -> None:
-    counts[_LOAD_ERRORS] += len(result)
-
-
-_RESULT_COUNTERS: dict[str, Callable[[list[int], tuple[Any, ...], Any], None]] = {
-    "get_num_new_matched_tokens": _count_lookup,
-    "update_state_after_alloc": _count_loaded,
-    "get_block_ids_with_load_errors": _count_load_errors,
-}
+_HITS, _MISSES, _MATCHED, _LOADED = (COUNTERS.index(name) for name in (
+    "lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens"))
 
 
 class PipelineRecorder:
@@ -88,80 +86,137 @@ class PipelineRecorder:
         self._ship_dense = ship_dense
         self._children = tuple(child_names)
         self._bounds = tuple(bounds)
+        self._lock = threading.Lock()
         self._bucketed: Cells = {}  # calls folded since the last take
-        # Filled on the hot path, in place (wrappers hold references to them).
-        self._slots: list[int] = []  # (child, op) of each call, as child * len(OPS) + op
-        self._latencies: list[float] = []
+        # Filled on the hot path, in place (wrappers hold a reference to it): (child * len(OPS) + op, seconds).
+        self._pending: list[tuple[int, float]] = []
         self._counts = [[0] * len(COUNTERS) for _ in self._children]
         self._errors: ErrorCounts = {}
+        self._load_errors: LoadErrors = {}
+        # Request id -> each child's answer (tokens; None: not asked or failed) in its last lookup round.
+        self._lookups: dict[str, list[int | None]] = {}
 
     def wrap(self, child_name: str, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
         """``call``, timed and counted; unwrapped when metrics are off, for operations
         outside ``OPERATION_LABELS`` and, unless ``per_layer``, the per-layer ones."""
-        op = OPERATION_LABELS.get(operation) or (PER_LAYER_OPERATIONS.get(operation) if self.per_layer else None)
+        op = self._label(operation)
         if not self.enabled or op is None:
             return call
         row = self._children.index(child_name)
         slot = row * len(OPS) + OPS.index(op)
-        counts = self._counts[row]
-        count_result = _RESULT_COUNTERS.get(operation)
-        slots, latencies = self._slots, self._latencies
+        pending = self._pending
+        lookups = self._lookups if operation == LOOKUP else None
 
         def observed(*args: Any, **kwargs: Any) -> Any:
             start = perf_counter()
             try:
                 result = call(*args, **kwargs)
             except Exception as error:
-                latencies.append(perf_counter() - start)
-                slots.append(slot)
+                pending.append((slot, perf_counter() - start))
                 self._count_error(child_name, op, type(error).__name__)
                 raise
-            latencies.append(perf_counter() - start)
-            slots.append(slot)
-            if len(slots) >= MAX_PENDING_CALLS:
+            pending.append((slot, perf_counter() - start))
+            if len(pending) >= MAX_PENDING_CALLS:
                 self._fold()
-            if count_result is not None:
-                count_result(counts, args, result)
+            if lookups is not None and (answers := lookups.get(args[0].request_id)) is not None:
+                answers[row] = result[0]
             return result
 
         observed.__wrapped__ = call  # type: ignore[attr-defined]
         return observed
 
-    def count_load_errors(self, child_name: str, blocks: int) -> None:
-        """Blocks of a load kvcompose gave back to vLLM after the child failed."""
+    def _label(self, operation: str) -> str | None:
+        """The ``op`` label of a timed operation; None if it is not timed."""
+        return OPERATION_LABELS.get(operation) or (PER_LAYER_OPERATIONS.get(operation) if self.per_layer else None)
+
+    # ---- what the calls meant, told by the composite ----
+
+    def lookup_started(self, request_id: str) -> None:
+        """The composite is asking its loaders about a request: this round's answers replace the last one's."""
         if self.enabled:
-            self._counts[self._children.index(child_name)][_LOAD_ERRORS] += blocks
+            self._lookups[request_id] = [None] * len(self._children)
+
+    def request_admitted(self, request: Request, loading: int | None, external_tokens: int) -> None:
+        """vLLM allocated the request's blocks: count its last lookup round, and the tokens
+        the child at index ``loading`` (None: no child) loads."""
+        if not self.enabled:
+            return
+        answers = self._lookups.pop(request.request_id, None)
+        with self._lock:
+            if answers is not None and not getattr(request, "num_preemptions", 0):
+                for counts, tokens in zip(self._counts, answers, strict=True):
+                    if tokens is None:
+                        continue
+                    if tokens > 0:
+                        counts[_HITS] += 1
+                        counts[_MATCHED] += tokens
+                    else:
+                        counts[_MISSES] += 1
+            if loading is not None:
+                self._counts[loading][_LOADED] += external_tokens
+
+    def request_finished(self, request_id: str) -> None:
+        """A request that was looked up but never admitted leaves nothing behind."""
+        self._lookups.pop(request_id, None)
+
+    @property
+    def open_lookups(self) -> int:
+        """Requests looked up and not yet admitted or finished."""
+        return len(self._lookups)
+
+    def count_load_errors(self, child_name: str, step: int, block_ids: Collection[int]) -> None:
+        """Blocks the child failed to load in scheduler step ``step`` (reported by it, or
+        given back to vLLM by kvcompose after it failed)."""
+        if self.enabled and block_ids:
+            with self._lock:
+                self._load_errors.setdefault(child_name, {}).setdefault(step, set()).update(block_ids)
+
+    def count_isolated_error(self, child_name: str, operation: str, error: Exception) -> None:
+        """A failure error isolation caught in a call this recorder did not time (and so did not count)."""
+        if self.enabled and self._label(operation) is None:
+            self._count_error(child_name, OPERATION_LABELS.get(operation, operation), type(error).__name__)
+
+    # ---- handing the stats over ----
 
     def take(self) -> CallTable | None:
         """The calls since the last take (None if there were none), then start afresh."""
-        if not (self._slots or self._bucketed or self._errors or any(map(any, self._counts))):
-            return None
-        self._fold()
-        counters = [count for child_counts in self._counts for count in child_counts]
-        table = CallTable(self._children, len(self._bounds) + 1, self._bucketed, counters, self._errors)
-        self._bucketed, self._errors = {}, {}
-        for child_counts in self._counts:
-            child_counts[:] = _NO_COUNTS
+        with self._lock:
+            if not (self._pending or self._bucketed or self._errors or self._load_errors
+                    or any(map(any, self._counts))):
+                return None
+            self._fold_pending()
+            counters = [count for child_counts in self._counts for count in child_counts]
+            table = CallTable(self._children, len(self._bounds) + 1, self._bucketed, counters, self._errors,
+                              self._load_errors)
+            self._bucketed, self._errors, self._load_errors = {}, {}, {}
+            for child_counts in self._counts:
+                child_counts[:] = _NO_COUNTS
         if self._ship_dense:
             table.densify()
         return table
 
     def _count_error(self, child_name: str, op: str, error_type: str) -> None:
-        by_type = self._errors.setdefault(child_name, {}).setdefault(op, {})
-        by_type[error_type] = by_type.get(error_type, 0) + 1
+        with self._lock:
+            by_type = self._errors.setdefault(child_name, {}).setdefault(op, {})
+            by_type[error_type] = by_type.get(error_type, 0) + 1
 
     def _fold(self) -> None:
-        """Sort the pending latencies into their cells, for the next take."""
-        bucket_latencies(self._slots, self._latencies, self._bounds, into=self._bucketed)
-        self._slots.clear()
-        self._latencies.clear()
+        with self._lock:
+            self._fold_pending()
+
+    def _fold_pending(self) -> None:
+        """Sort the pending latencies into their cells, for the next take (holding the lock).
+        Calls appended meanwhile by other threads land after the ones taken, and stay."""
+        calls = self._pending[:]
+        del self._pending[: len(calls)]
+        bucket_latencies(calls, self._bounds, into=self._bucketed)
 
 
-def bucket_latencies(slots: Sequence[int], latencies: Sequence[float], bounds: Sequence[float], into: Cells) -> None:
-    """Count each latency, and add it up, in the cell of its slot and bucket: bucket ``i`` holds
-    ``bounds[i-1] < v <= bounds[i]`` (Prometheus' ``le``), the last one the rest."""
+def bucket_latencies(calls: Iterable[tuple[int, float]], bounds: Sequence[float], into: Cells) -> None:
+    """Count each call's latency, and add it up, in the cell of its slot and bucket: bucket ``i``
+    holds ``bounds[i-1] < v <= bounds[i]`` (Prometheus' ``le``), the last one the rest."""
     buckets = len(bounds) + 1
-    for slot, latency in zip(slots, latencies, strict=True):
+    for slot, latency in calls:
         cell = slot * buckets + bisect_left(bounds, latency)
         if (entry := into.get(cell)) is None:
             into[cell] = [1, latency]

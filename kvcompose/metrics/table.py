@@ -7,6 +7,14 @@ histogram with the same bounds. ``counters`` count what the calls meant
 (lookup hits, tokens), per child. Errors, rare and keyed by exception type,
 are kept apart.
 
+Blocks that failed to load are kept as block ids per child and scheduler step,
+not as counts: with tensor parallelism every worker reports the blocks of a
+load that failed on it, and vLLM recomputes the union of the workers' blocks
+(``KVOutputAggregator``). Merging tables takes the same union per child and
+step, so a block counts once, whichever workers reported it; keying by step
+keeps a block that fails again in a later step (block ids are reused) counted
+again, whatever tables are merged.
+
 The grid depends on the pipeline only, so a table is never larger than the
 grid, whatever the traffic. A step uses a few cells: they are kept sparse, in
 plain Python, as that is what costs least on an engine step. Merging many
@@ -31,13 +39,14 @@ OPS: tuple[str, ...] = (
     "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors", "wait_for_layer_load",
     "save_kv_layer",
 )  # fmt: skip
-COUNTERS: tuple[str, ...] = ("lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens", "load_error_blocks")
+COUNTERS: tuple[str, ...] = ("lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens")
 
 # A merge that would leave more cells than this adds dense arrays instead.
 SPARSE_MERGE_LIMIT = 256
 
 Cells = dict[int, list[Any]]  # cell index -> [calls, seconds]
 ErrorCounts = dict[str, dict[str, dict[str, int]]]  # child -> op -> exception type -> calls
+LoadErrors = dict[str, dict[int, set[int]]]  # child -> scheduler step -> ids of the blocks that failed to load
 
 
 def add_cells(into: Cells, cells: Cells) -> None:
@@ -58,7 +67,7 @@ def cell_index(row: int, column: int, bucket: int, buckets: int) -> int:
 class CallTable:
     def __init__(
         self, children: Sequence[str], buckets: int, cells: Cells | None = None, counters: list[int] | None = None,
-        errors: ErrorCounts | None = None,
+        errors: ErrorCounts | None = None, load_errors: LoadErrors | None = None,
     ) -> None:
         self.children = tuple(children)
         self.buckets = buckets
@@ -66,6 +75,7 @@ class CallTable:
         self._dense: np.ndarray | None = None  # [cell] -> (calls, seconds), while merging many tables
         self.counters = counters if counters is not None else [0] * (len(self.children) * len(COUNTERS))
         self.errors: ErrorCounts = errors if errors is not None else {}
+        self.load_errors: LoadErrors = load_errors if load_errors is not None else {}
 
     @property
     def cells(self) -> Cells:
@@ -107,6 +117,10 @@ class CallTable:
                 counts = mine_by_op.setdefault(op, {})
                 for error_type, count in by_type.items():
                     counts[error_type] = counts.get(error_type, 0) + count
+        for child, by_step in other.load_errors.items():
+            mine_by_step = self.load_errors.setdefault(child, {})
+            for step, block_ids in by_step.items():
+                mine_by_step.setdefault(step, set()).update(block_ids)
 
     def _add_sparse_to_dense(self, cells: Cells) -> None:
         if cells:
@@ -115,7 +129,7 @@ class CallTable:
             self._dense[used] += list(cells.values())  # each cell appears once, so plain indexing adds correctly
 
     def is_empty(self) -> bool:
-        return not (self.errors or any(self.counters) or self.cells)
+        return not (self.errors or self.load_errors or any(self.counters) or self.cells)
 
     # ---- reading one child ----
 
@@ -125,6 +139,10 @@ class CallTable:
 
     def counter(self, child: str, name: str) -> int:
         return self.counters[self.children.index(child) * len(COUNTERS) + COUNTERS.index(name)]
+
+    def load_error_blocks(self, child: str) -> int:
+        """Blocks the child failed to load: each block once per step, whichever workers reported it."""
+        return sum(map(len, self.load_errors.get(child, {}).values()))
 
     def operation_of(self, cell: int) -> tuple[str, str]:
         """The (child, op) a cell counts calls of."""
@@ -158,7 +176,9 @@ class CallTable:
         return {"children": list(self.children), "ops": list(OPS), "counter_names": list(COUNTERS),
                 "buckets": self.buckets, "cells": list(cells), "calls": [entry[0] for entry in cells.values()],
                 "seconds": [entry[1] for entry in cells.values()], "counters": list(self.counters),
-                "errors": self.errors}
+                "errors": self.errors,
+                "load_errors": {child: [[step, sorted(block_ids)] for step, block_ids in sorted(by_step.items())]
+                                for child, by_step in self.load_errors.items()}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CallTable:
@@ -170,4 +190,6 @@ class CallTable:
         cells = {cell: [count, seconds] for cell, count, seconds in
                  zip(data["cells"], data["calls"], data["seconds"], strict=True)}
         errors = {child: {op: dict(by_type) for op, by_type in by_op.items()} for child, by_op in data["errors"].items()}
-        return cls(data["children"], data["buckets"], cells, list(data["counters"]), errors)
+        load_errors = {child: {step: set(block_ids) for step, block_ids in by_step}
+                       for child, by_step in data["load_errors"].items()}
+        return cls(data["children"], data["buckets"], cells, list(data["counters"]), errors, load_errors)

@@ -15,14 +15,22 @@ Its ``kv_connector_extra_config`` holds ``log`` (the key of its call log in
 - ``fail_shutdown``: raise from ``shutdown``
 - ``raises``: method names that raise :class:`ScriptedFailure` (after being logged)
 - ``reset_cache``: what ``reset_cache`` returns (default True)
+- ``events``: block-hash lists; ``take_events`` returns a generator of a
+  ``BlockRemoved`` event per list, as OffloadingConnector's is a generator
+- ``events_fail_after``: that generator raises :class:`ScriptedFailure` after yielding this many
+- ``gates``: ``{method: key}``: a call of ``method`` waits, once logged, until the
+  :class:`Gate` at ``GATES[key]`` is opened (to hold a call while another thread calls)
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import BlockRemoved
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -42,6 +50,28 @@ CALL_LOGS: defaultdict[str, list[tuple[Any, ...]]] = defaultdict(list)
 
 class ScriptedFailure(RuntimeError):
     """Raised by a method the script names in ``raises``."""
+
+
+class Gate:
+    """Holds the calls that wait on it (script ``gates``) until it is opened."""
+
+    TIMEOUT_S = 30.0  # a test that never opens its gate fails instead of hanging
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()  # set once a call waits here
+        self._open = threading.Event()
+
+    def pass_through(self) -> None:
+        self.entered.set()
+        if not self._open.wait(self.TIMEOUT_S):
+            raise TimeoutError("a gated call waited too long: the test never opened its gate")
+
+    def open(self) -> None:
+        self._open.set()
+
+
+# key -> gate, for the script's ``gates``
+GATES: dict[str, Gate] = {}
 
 
 @dataclass
@@ -79,6 +109,8 @@ class RecordingConnector(KVConnectorBase_V1):
 
     def _record(self, *entry: Any) -> None:
         self.log.append(entry)
+        if (gate := self.script.get("gates", {}).get(entry[0])) is not None:
+            GATES[gate].pass_through()
         if entry[0] in self.script.get("raises", ()):
             raise ScriptedFailure(f"scripted failure in {entry[0]}")
 
@@ -116,7 +148,16 @@ class RecordingConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Any:
         self._record("take_events")
-        return iter(())
+        return self._events()
+
+    def _events(self) -> Iterator[BlockRemoved]:
+        fail_after = self.script.get("events_fail_after")
+        for yielded, block_hashes in enumerate(self.script.get("events", [])):
+            if yielded == fail_after:
+                break
+            yield BlockRemoved(block_hashes=block_hashes, medium="CPU")
+        if fail_after is not None:
+            raise ScriptedFailure("scripted failure while iterating take_events")
 
     def has_pending_block_frees(self) -> bool:
         self._record("has_pending_block_frees")
