@@ -130,5 +130,5 @@ def test_a_failed_load_is_a_failed_transfer(vllm_config_with: Callable, exporter
     assert [span.status.status_code is StatusCode.ERROR for span in transfers if span.name == "kvcompose.transfer"
             and span.attributes[attr.TRANSFER_OUTCOME] == "failed"] == [True]
     failed = next(span for span in transfers if span.attributes[attr.TRANSFER_OUTCOME] == "failed")
-    assert failed.attributes[attr.ERROR_TYPE] == "kvcompose.transfer_failed"
+    assert failed.attributes[attr.ERROR_TYPE] == "kvcompose.testing.recording.ScriptedFailure"  # the cause
     assert worker.request_state_sizes() == {}

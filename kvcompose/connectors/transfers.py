@@ -46,6 +46,7 @@ logger = get_logger("transfers")
 
 Mode = Literal["sync", "finish", "jobs"]
 EXPIRY_S = 600.0  # an open transfer older than this ends as aborted
+FAILED_TRANSFER = "kvcompose.transfer_failed"  # error.type of a failure the child reported without raising
 _EXPIRY_CHECK_S = 1.0
 
 # How a child reports completion, by its class (or a base class) name.
@@ -243,8 +244,12 @@ class TransferTracker:
         self._recorder.ended(transfer.child, transfer.direction, seconds, nbytes, outcome,
                              None if context is None else format(context.trace_id, "032x"))
         if context is not None:
+            error_type = None
+            if outcome == "failed":
+                error_type = (self._guards[transfer.child].last_error_type if self._failed_this_step(transfer.child)
+                              else FAILED_TRANSFER)
             self._tracer.transfer(context, self._specs[transfer.child], transfer.req_id, transfer.direction,
-                                  transfer.start_ns, end_ns, transfer.blocks, nbytes, outcome)
+                                  transfer.start_ns, end_ns, transfer.blocks, nbytes, outcome, error_type)
 
     def _failed_this_step(self, child: int) -> bool:
         return bool(self._failures_at_bind) and self._guards[child].failures != self._failures_at_bind[child]

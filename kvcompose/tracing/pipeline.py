@@ -334,17 +334,16 @@ class PipelineTracer:
 
     def transfer(
         self, context: SpanContextIds, spec: ChildSpec, request_id: str, direction: str, start_ns: int, end_ns: int,
-        blocks: int, nbytes: int, outcome: str,
+        blocks: int, nbytes: int, outcome: str, error_type: str | None = None,
     ) -> None:
         """A ``kvcompose.transfer`` span: one request, one child, one direction, start to completion; a failed
-        one has status ERROR (an aborted one says so in its outcome: its request ended first)."""
+        one has status ERROR and ``error_type`` (an aborted one says so in its outcome)."""
         if (template := self._transfer_templates.get(spec.index)) is None:
             template = self._transfer_templates[spec.index] = self._shipper.templates.register(
                 "kvcompose.transfer", self._child_attributes(spec),
                 (attr.TRANSFER_DIRECTION, attr.TRANSFER_BLOCKS, attr.TRANSFER_BYTES, attr.TRANSFER_OUTCOME))
         self._records.append((template, context.trace_id, IDS.span_id(), context.span_id, start_ns, end_ns,
-                              request_id, (direction, blocks, nbytes, outcome),
-                              "kvcompose.transfer_failed" if outcome == "failed" else None, (), ()))
+                              request_id, (direction, blocks, nbytes, outcome), error_type, (), ()))
 
     def breaker_changed(self, connector: str, state: str) -> None:
         """A ``kvcompose.circuit_breaker`` event on the traced call running now, or on a span of its own."""
