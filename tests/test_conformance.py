@@ -43,6 +43,11 @@ INHERITED_BY_COMPOSITE = {
     "get_kv_connector_kv_cache_events": "not aggregated, like MultiConnector: children's events reach vLLM "
     "through take_events",
 }
+# Functions of vLLM that walk MultiConnector's private child list, and what kvcompose does instead.
+CHILD_LIST_READERS = {
+    "vllm/distributed/kv_transfer/kv_connector/v1/simple_cpu_offload_connector.py:_find_simple_cpu_offload_connector":
+    "the SimpleCPUOffloadConnector worker's block count; kvcompose requires num_cpu_blocks (kvcompose.compat)",
+}
 # MultiConnector members the composite has no use for.
 MULTICONNECTOR_ONLY = {
     "sub_connectors": "MultiConnector's list of children; vLLM does not read it",
@@ -134,6 +139,12 @@ def test_every_name_lookup_is_handled(version: str) -> None:
 
     unhandled = sorted(set(checked_in(version)["name_lookups"]) - NAME_LOOKUPS.keys() - {SIMPLE_CPU_OFFLOAD})
     assert not unhandled, f"vLLM {version} finds {unhandled} by name; say in kvcompose.compat what that means"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_reader_of_multiconnector_s_child_list_is_known(version: str) -> None:
+    unknown = sorted(set(checked_in(version)["child_list_readers"]) - CHILD_LIST_READERS.keys())
+    assert not unknown, f"vLLM {version} looks inside MultiConnector in {unknown}; kvcompose children are not there"
 
 
 def test_installed_vllm_matches_its_checked_in_set() -> None:

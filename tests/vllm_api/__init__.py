@@ -7,7 +7,9 @@
 - ``kv_transfer_config_fields``, ``registered_connectors``;
 - ``name_lookups``: connector names vLLM checks with ``has_connector(...)``,
   which sees the connector named in ``--kv-transfer-config`` and MultiConnector's
-  children, never a kvcompose child.
+  children, never a kvcompose child;
+- ``child_list_readers``: functions outside MultiConnector that walk its
+  private ``_connectors`` list (a kvcompose composite has none).
 
 The sets are extracted from the wheels without installing them (vLLM 0.33 has
 no CPU build), so a release kvcompose cannot run here is still checked:
@@ -36,6 +38,8 @@ CLASSES = {
 KV_TRANSFER_CONFIG = "vllm/config/kv_transfer.py"
 FACTORY = f"{CONNECTOR_DIR}/factory.py"
 NAME_LOOKUP = "has_connector("
+CHILD_LIST = "_connectors"
+MULTI_CONNECTOR = CLASSES["MultiConnector"]
 
 # KVTransferConfig fields of 0.30/0.31 that no connector of those releases reads
 # (gone in 0.32); kvcompose does not offer them under a child's ``transfer:``.
@@ -91,6 +95,7 @@ def extract(source: VllmSource) -> dict[str, Any]:
         "kv_transfer_config_fields": _fields(_class(tree(KV_TRANSFER_CONFIG), "KVTransferConfig")),
         "registered_connectors": _registered(tree(FACTORY)),
         "name_lookups": _name_lookups(source),
+        "child_list_readers": _child_list_readers(source),
     }
 
 
@@ -198,3 +203,18 @@ def _loops(node: ast.AST) -> list[tuple[ast.expr, ast.expr]]:
     if isinstance(node, ast.GeneratorExp | ast.ListComp | ast.SetComp):
         return [(generator.target, generator.iter) for generator in node.generators]
     return []
+
+
+def _child_list_readers(source: VllmSource) -> list[str]:
+    """``path:function`` of each function outside MultiConnector's module that names ``"_connectors"``."""
+    readers: set[str] = set()
+    for path in source.python_files():
+        text = source.read(path)
+        if CHILD_LIST not in text or path == MULTI_CONNECTOR:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and any(
+                isinstance(inner, ast.Constant) and inner.value == CHILD_LIST for inner in ast.walk(node)
+            ):
+                readers.add(f"{path}:{node.name}")
+    return sorted(readers)
