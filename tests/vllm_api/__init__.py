@@ -113,7 +113,7 @@ def write(api: dict[str, Any]) -> Path:
     return path
 
 
-def render_parameters(arguments: ast.arguments) -> str:
+def _parameters(arguments: ast.arguments) -> str:
     """``(self, request, num_computed_tokens, *, flag=)``: names and kinds; ``=`` marks a default."""
     positional = [*arguments.posonlyargs, *arguments.args]
     defaults = [None] * (len(positional) - len(arguments.defaults)) + list(arguments.defaults)
@@ -143,7 +143,7 @@ def class_members(module: ast.Module, name: str) -> dict[str, str]:
             if any(d.endswith(".setter") for d in decorators):
                 continue
             kind = next((k for k in ("classmethod", "staticmethod", "abstractmethod") if k in decorators), "method")
-            members[node.name] = kind + render_parameters(node.args)
+            members[node.name] = kind + _parameters(node.args)
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             members[node.target.id] = "attribute"
         elif isinstance(node, ast.Assign):
@@ -183,11 +183,8 @@ def _is_call_of(node: ast.AST, method: str) -> bool:
 def _name_lookups(source: VllmSource) -> list[str]:
     """Every connector name passed to ``has_connector``, literally or from a literal tuple looped over."""
     names: set[str] = set()
-    for path in source.python_files():
-        text = source.read(path)
-        if NAME_LOOKUP not in text or path == KV_TRANSFER_CONFIG:
-            continue
-        for node in ast.walk(ast.parse(text)):
+    for _, module in _modules_mentioning(source, NAME_LOOKUP, besides=KV_TRANSFER_CONFIG):
+        for node in ast.walk(module):
             if _is_call_of(node, "has_connector") and isinstance(node.args[0], ast.Constant):
                 names.add(node.args[0].value)
             for target, iterable in _loops(node):
@@ -208,13 +205,19 @@ def _loops(node: ast.AST) -> list[tuple[ast.expr, ast.expr]]:
 def _child_list_readers(source: VllmSource) -> list[str]:
     """``path:function`` of each function outside MultiConnector's module that names ``"_connectors"``."""
     readers: set[str] = set()
-    for path in source.python_files():
-        text = source.read(path)
-        if CHILD_LIST not in text or path == MULTI_CONNECTOR:
-            continue
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and any(
-                isinstance(inner, ast.Constant) and inner.value == CHILD_LIST for inner in ast.walk(node)
-            ):
-                readers.add(f"{path}:{node.name}")
+    for path, module in _modules_mentioning(source, CHILD_LIST, besides=MULTI_CONNECTOR):
+        readers |= {
+            f"{path}:{node.name}"
+            for node in ast.walk(module)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and any(isinstance(inner, ast.Constant) and inner.value == CHILD_LIST for inner in ast.walk(node))
+        }
     return sorted(readers)
+
+
+def _modules_mentioning(source: VllmSource, text: str, besides: str) -> Iterator[tuple[str, ast.Module]]:
+    """(path, parsed module) of each module whose source contains ``text``, except the one at ``besides``."""
+    for path in source.python_files():
+        code = source.read(path)
+        if text in code and path != besides:
+            yield path, ast.parse(code)
