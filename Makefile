@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make demo` and `make test`.
-.PHONY: test demo bench venv lint clean
+.PHONY: test test-compat demo bench venv lint clean
 
 VENV_PY := .venv/bin/python
 
@@ -9,6 +9,10 @@ venv:
 test: venv
 	@scripts/ensure-prometheus.sh
 	$(VENV_PY) -m pytest -q
+
+# The connector-API tests and one real-engine test on vLLM 0.30 and 0.31 (own cached venvs).
+test-compat:
+	@scripts/test-compat.sh
 
 demo: venv
 	$(VENV_PY) examples/demo.py

@@ -1,4 +1,4 @@
-"""The operations of vLLM's KVConnectorBase_V1 (0.32/0.33), named without importing vLLM."""
+"""The operations of vLLM's KVConnectorBase_V1 (0.30-0.33), named without importing vLLM."""
 
 # Every instance method a connector answers, scheduler and worker side.
 CONNECTOR_OPERATIONS: tuple[str, ...] = (
@@ -44,6 +44,9 @@ CONNECTOR_OPERATIONS: tuple[str, ...] = (
     "get_kv_connector_kv_cache_events",
     # both
     "shutdown",
+    # sleep mode (vLLM 0.33+), worker side
+    "unregister_kv_caches",
+    "restore_kv_caches",
 )
 
 # What the composite never calls on a child: it asks get_transfer_results

@@ -147,8 +147,9 @@ def test_every_connector_method_is_forwarded_and_can_fail() -> None:
         name for name, value in vars(KVConnectorBase_V1).items()
         if inspect.isfunction(value) and not name.startswith("_")
     }
-    # has_connector_metadata reads the injector's own bound metadata.
-    assert methods - {"has_connector_metadata"} == set(FAULT_OPERATIONS)
+    # has_connector_metadata reads the injector's own bound metadata. FAULT_OPERATIONS
+    # also has what later vLLM releases add (test_conformance checks them all).
+    assert methods - {"has_connector_metadata"} <= set(FAULT_OPERATIONS)
     assert all(name in vars(FaultInjectionConnector) for name in FAULT_OPERATIONS)
     assert not FaultInjectionConnector.__abstractmethods__
 
@@ -162,6 +163,9 @@ def test_a_certain_fault_raises_before_the_inner_connector_is_called(
     log = f"every-op/{operation}"
     connector = _build(vllm_config_with, "WORKER", {"inner": _recording_inner(log),
                                                     "faults": {"raise": {operation: 1.0}}})
+    if not hasattr(type(connector.inner), operation):  # added after the installed vLLM, which never calls it
+        assert not hasattr(connector, operation)
+        return
     method = getattr(connector, operation)
     arguments = [None] * sum(
         1 for p in inspect.signature(getattr(type(connector.inner), operation)).parameters.values()

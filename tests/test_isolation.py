@@ -148,11 +148,12 @@ def test_circuit_opens_skips_the_child_then_probes_and_closes(vllm_config_with: 
 
 
 def test_a_failed_probe_opens_the_circuit_again(vllm_config_with: Callable) -> None:
-    breaker = {"failures": 1, "cooldown_s": 0.1}
+    # A cool-down far longer than two calls take on a loaded machine: "c" must come before it ends.
+    breaker = {"failures": 1, "cooldown_s": 1.0}
     scheduler, _ = _pair(vllm_config_with, {"hot": {"raises": ["get_num_new_matched_tokens"]}, "cold": {}},
                          circuit_breaker=breaker)
     scheduler.get_num_new_matched_tokens(make_request("a"), 0)
-    time.sleep(0.15)
+    time.sleep(1.05)
     scheduler.get_num_new_matched_tokens(make_request("b"), 0)  # the probe fails
     scheduler.get_num_new_matched_tokens(make_request("c"), 0)  # skipped again
     assert _calls("hot", "get_num_new_matched_tokens") == 2

@@ -11,6 +11,7 @@ from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from kvcompose.compat import check_name_lookups
 from kvcompose.config import ChildConfig, KVRole, Pipeline, load_pipeline
 from kvcompose.metrics.native import class_path
 from kvcompose.operations import CONNECTOR_OPERATIONS, NOT_FORWARDED_TO_CHILDREN
@@ -87,7 +88,14 @@ def child_specs(vllm_config: VllmConfig, pipeline: Pipeline) -> list[ChildSpec]:
 
 def child_classes(pipeline: Pipeline) -> list[type[KVConnectorBase_V1]]:
     """Every child's connector class, for class-level hooks that get no VllmConfig."""
-    return [_resolve(pipeline, index, None)[0] for index in range(len(pipeline.children))]
+    return [connector_cls for connector_cls, _ in resolved_children(pipeline, None)]
+
+
+def resolved_children(
+    pipeline: Pipeline, parent: KVTransferConfig | None
+) -> list[tuple[type[KVConnectorBase_V1], KVTransferConfig]]:
+    """Every child's connector class and its own KVTransferConfig, for class-level hooks that get the parent's."""
+    return [_resolve(pipeline, index, parent) for index in range(len(pipeline.children))]
 
 
 def _resolve(
@@ -103,6 +111,7 @@ def _resolve(
 
 def construct_child(spec: ChildSpec, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> KVConnectorBase_V1:
     try:
+        check_name_lookups(spec.config, spec.connector_cls)
         return spec.connector_cls(spec.vllm_config, role, kv_cache_config)
     except Exception as error:
         raise ChildStartupError(_describe_failure(spec.config, spec.index, error)) from error

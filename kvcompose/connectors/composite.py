@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvcompose.compat import supports_sleep_mode
 from kvcompose.connectors.children import (
     Child,
     ChildSpec,
@@ -46,6 +47,7 @@ from kvcompose.connectors.children import (
     construct_child,
     pipeline_from_extra_config,
     pipeline_from_vllm_config,
+    resolved_children,
 )
 from kvcompose.connectors.isolation import FAILED, BreakerState, ChildGuard
 from kvcompose.connectors.ledger import SchedulerLedger, WorkerLedger
@@ -66,6 +68,7 @@ logger = get_logger("connector")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -472,8 +475,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         finally:
             connector_output.kv_connector_worker_meta = composite_meta
 
-    def request_finished(self, request: Request, blocks: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._finish_request(request, lambda child: child.request_finished(request, blocks))
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._finish_request(request, lambda child: child.request_finished(request, block_ids))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -543,22 +546,52 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         """Close the tracer and shut every child down, whatever fails; then re-raise the last failure, if any."""
-        failure: Exception | None = None
         if self._transfers is not None:
             self._transfers.close()
+        tracer_failure: Exception | None = None
         try:
             self._tracing.close()
         except Exception as error:
             logger.error("tracer failed to close", error_type=type(error).__name__)
-            failure = error
+            tracer_failure = error
+        self._call_every_child("shutdown", failure=tracer_failure)
+
+    def _call_every_child(self, operation: str, failure: Exception | None = None) -> None:
+        """Call ``operation`` on every child that has it, even after one fails; then
+        re-raise the last failure (``failure``: one that happened before). A child's class
+        from before vLLM added the operation has none: the base class's default did nothing."""
         for child in self.children:
+            call = getattr(child, operation, None)
+            if call is None:
+                continue
             try:
-                child.shutdown()
+                call()
             except Exception as error:
-                logger.error("child failed to shut down", connector=child.name, error_type=type(error).__name__)
+                logger.error("child call failed", connector=child.name, op=operation, error_type=type(error).__name__)
                 failure = error
         if failure is not None:
             raise failure
+
+    # ==============================
+    # Sleep mode (vLLM 0.33+; older releases never call these)
+    # ==============================
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """Only if every child's class does, as MultiConnector answers; vLLM refuses sleep mode otherwise."""
+        pipeline = pipeline_from_extra_config(kv_transfer_config.kv_connector_extra_config)
+        return all(
+            supports_sleep_mode(child_cls, child_transfer_config)
+            for child_cls, child_transfer_config in resolved_children(pipeline, kv_transfer_config)
+        )
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep: every child drops its KV cache registrations (each is asked even if one fails)."""
+        self._call_every_child("unregister_kv_caches")
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: every child registers again (each is asked even if one fails)."""
+        self._call_every_child("restore_kv_caches")
 
     # ==============================
     # Class-level hooks (no instance; read the pipeline from the config)

@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvcompose.compat import check_name_lookups, supports_sleep_mode
 from kvcompose.connectors.children import child_transfer_config
 from kvcompose.faults import FaultInjectionConfig, FaultPlan, fault_injection_config
 from kvcompose.logs import get_logger
@@ -124,6 +125,7 @@ class FaultInjectionConnector(KVConnectorBase_V1):
         resolved = _resolve_inner(vllm_config)
         self.config = resolved.config
         self.plan = FaultPlan(self.config.seed, self.config.faults)
+        check_name_lookups(self.config.inner, resolved.connector_cls)
         self.inner = resolved.connector_cls(resolved.vllm_config, role, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         if self.config.faults.lie and kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
@@ -188,6 +190,9 @@ class FaultInjectionConnector(KVConnectorBase_V1):
     get_kv_connector_kv_cache_events = _Forwarded()
     # both
     shutdown = _Forwarded()
+    # sleep mode (vLLM 0.33+)
+    unregister_kv_caches = _Forwarded()
+    restore_kv_caches = _Forwarded()
 
     # ==============================
     # Lies: decided at lookup, sent to the worker, reported as load errors
@@ -295,6 +300,12 @@ class FaultInjectionConnector(KVConnectorBase_V1):
         config = fault_injection_config(extra_config)
         inner_cls, _ = _inner_class(config, None)
         return inner_cls.requires_piecewise_for_cudagraph(dict(config.inner.config))
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        config = fault_injection_config(kv_transfer_config.kv_connector_extra_config)
+        inner_cls, inner_transfer_config = _inner_class(config, kv_transfer_config)
+        return supports_sleep_mode(inner_cls, inner_transfer_config)
 
 
 class InnerConnectorStats(KVConnectorStats):

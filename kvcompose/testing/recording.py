@@ -20,6 +20,8 @@ Its ``kv_connector_extra_config`` holds ``log`` (the key of its call log in
 - ``events_fail_after``: that generator raises :class:`ScriptedFailure` after yielding this many
 - ``gates``: ``{method: key}``: a call of ``method`` waits, once logged, until the
   :class:`Gate` at ``GATES[key]`` is opened (to hold a call while another thread calls)
+- ``sleep_mode``: what the class's ``supports_sleep_mode`` answers for this config (default True)
+- ``label``: logged with the sleep-mode calls, to tell apart children that share a log
 """
 
 from __future__ import annotations
@@ -227,6 +229,17 @@ class RecordingConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         self._record("build_connector_worker_meta")
         return RecordingWorkerMetadata(1) if self.script.get("worker_meta") else None
+
+    # sleep mode (vLLM 0.33+)
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return bool(kv_transfer_config.kv_connector_extra_config.get("script", {}).get("sleep_mode", True))
+
+    def unregister_kv_caches(self) -> None:
+        self._record("unregister_kv_caches", self.script.get("label"))
+
+    def restore_kv_caches(self) -> None:
+        self._record("restore_kv_caches", self.script.get("label"))
 
     def shutdown(self) -> None:
         self._record("shutdown")
