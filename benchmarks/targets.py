@@ -18,6 +18,7 @@ UNREACHABLE_MAX_EXTRA_RSS_MIB = 32.0
 MERGE_MAX_MS = 1.0
 # Extra engine-process CPU per request, every request traced and exported, by child count.
 TRACED_REQUEST_MAX_EXTRA_US = {2: 50.0, 8: 100.0}
+TRANSFER_TRACKING_MAX_US = 1.0  # engine-thread CPU per transfer, tracing off
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,12 @@ def request_cost_checks(rows: list[dict[str, Any]]) -> list[Check]:
               <= TRACED_REQUEST_MAX_EXTRA_US[row["children"]])
         for row in rows
     ]
+
+
+def transfer_cost_checks(result: dict[str, Any]) -> list[Check]:
+    cost = result["us_per_transfer"]["tracing_off"]
+    return [Check(f"tracking a transfer, tracing off: <= {TRANSFER_TRACKING_MAX_US:.0f} us on the engine's thread",
+                  f"{cost:.2f} us", cost <= TRANSFER_TRACKING_MAX_US)]
 
 
 def stats_checks(result: dict[str, Any]) -> list[Check]:

@@ -153,3 +153,26 @@ def test_otlp_sink_accepts_a_real_export() -> None:
         sink.stop()
     assert exported is SpanExportResult.SUCCESS
     assert sink.exports == 1 and sink.bytes > 0
+
+
+def test_request_cost_times_every_subject_and_its_spans_reach_the_collector() -> None:
+    from benchmarks import request_cost
+
+    rows = request_cost.measure(rounds=1, requests=5)
+
+    assert [row["children"] for row in rows] == list(request_cost.CHILD_COUNTS)
+    for row in rows:
+        assert set(row["us_per_request"]) == set(request_cost.SUBJECTS) and _finite(row["us_per_request"].values())
+        assert set(row["extra_us"]) == {"kvc_off", "kvc_traced"}
+    assert rows[0]["sink_exports"] > 0  # the traced subject's spans left the process
+    assert len(targets.request_cost_checks(rows)) == len(rows)
+
+
+def test_transfer_cost_compares_a_tracked_composite_with_the_same_one_untracked() -> None:
+    from benchmarks import transfer_cost
+
+    result = transfer_cost.measure(rounds=1, steps=3)
+
+    assert set(result["us_per_transfer"]) == {"tracing_off", "tracing_on"}
+    assert all(math.isfinite(value) for value in result["us_per_transfer"].values())
+    assert len(targets.transfer_cost_checks(result)) == 1
