@@ -54,7 +54,13 @@ from kvcompose.connectors.ledger import SchedulerLedger, WorkerLedger
 from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
 from kvcompose.connectors.pairing import PairingCheck, PipelineShape
 from kvcompose.connectors.policies import POLICIES
-from kvcompose.connectors.transfers import TransferTracker, bytes_per_block, is_first_worker
+from kvcompose.connectors.transfers import (
+    TransferTracker,
+    bytes_per_block,
+    completion_mode,
+    is_first_worker,
+    job_requests,
+)
 from kvcompose.logs import configure_logging, get_logger
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.prometheus import KVComposePromMetrics
@@ -107,6 +113,9 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._saves_stopped = False  # a load failed this step: no layer saves until it ends
         observed = self.pipeline.metrics.enabled or self.pipeline.tracing.enabled
         self._note_saves = observed and role is KVConnectorRole.SCHEDULER
+        # Scheduler side: children whose transfers are jobs in their metadata (their requests join the step's trace).
+        self._job_children = [c.index for c in self.children if self.pipeline.tracing.enabled
+                              and completion_mode(c.spec.connector_cls) == "jobs"]
         self._transfer_recorder = TransferRecorder(
             self.pipeline.metrics.enabled, [c.name for c in self.children], self.pipeline.metrics.transfer_buckets)
         self._transfers = TransferTracker(
@@ -323,7 +332,6 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._worker_ledger.take_failed_recvs(into=results)
         if transfers is not None:
             transfers.loads_given_back(results.failed_recving)
-        self._tracing.requests_finished(finished_req_ids)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -460,7 +468,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         if self._note_saves:
             metadata.saves = {new.req_id: len(new.block_ids[0]) if new.block_ids else 0
                               for new in scheduler_output.scheduled_new_reqs} or None
-        metadata.traced_requests = self._tracing.step_requests(scheduler_output, metadata.loads)
+        moving = job_requests(per_child[index] for index in self._job_children) if self._job_children else ()
+        metadata.traced_requests = self._tracing.step_requests(scheduler_output, metadata.loads, moving)
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -13,7 +13,8 @@ child reports completion:
 - **finish** (NIXL): the send to a decode server is a save from the request's
   end until the child reports it in ``finished_sending``.
 - **jobs** (vLLM's OffloadingConnector): each load or store job its metadata
-  issues, until the job appears in its worker metadata's ``completed_jobs``.
+  issues, until the job appears in its worker metadata's ``completed_jobs``
+  (the scheduler names those jobs' requests among the step's traced requests).
 
 A transfer ends ``failed`` when its child failed in that step or reported
 the load failed, and ``aborted`` when vLLM finished its request first or it
@@ -25,7 +26,7 @@ worker's shard.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from time import monotonic, time_ns
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,6 +62,13 @@ def completion_mode(connector_cls: type) -> Mode:
         if (mode := _MODES.get(cls.__name__)) is not None:
             return mode
     return "sync"
+
+
+def job_requests(children_metadata: Iterable[Any]) -> set[str]:
+    """Scheduler side: the requests whose jobs the metadata of ``jobs`` children issues this step."""
+    return {job.req_id for metadata in children_metadata if metadata is not None
+            for jobs in (getattr(metadata, "load_jobs", None), getattr(metadata, "store_jobs", None))
+            for job in (jobs or {}).values()}
 
 
 def is_first_worker() -> bool:

@@ -25,7 +25,7 @@ one batch. Requests that are not sampled cost a dict look-up per call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from time import time_ns
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -118,7 +118,6 @@ class PipelineTracer:
         self._step: tuple[TracedRequest, ...] = ()
         self._step_loaders: dict[str, int] = {}  # request id -> index of the child loading it
         self._step_contexts: dict[str, SpanContextIds] = {}
-        self._live: dict[str, SpanContextIds] = {}  # traced requests seen and not yet finished
         self._step_span: SpanContextIds | None = None
         self._step_start = 0
 
@@ -282,15 +281,16 @@ class PipelineTracer:
             self.flush()
 
     def step_requests(
-        self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None
+        self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None, moving: Iterable[str] = ()
     ) -> tuple[TracedRequest, ...] | None:
-        """The sampled requests whose KV the step being scheduled moves (new, loading, or finished
-        with saves still running), for the workers. Ships the records of the step just ended."""
+        """The sampled requests whose KV the step being scheduled moves (new, loading, named in
+        ``moving``, or finished with saves still running), for the workers. Ships the records of the
+        step just ended."""
         self.flush()
         new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
         traced = [
             TracedRequest(req_id, entry.traceparent, req_id in new_ids)
-            for req_id in new_ids | set(loads or ())
+            for req_id in new_ids.union(loads or (), moving)
             if (entry := self._requests.get(req_id)) is not None
         ]
         traced += [TracedRequest(req_id, parent, False) for req_id, parent in self._finished_async.items()]
@@ -308,8 +308,7 @@ class PipelineTracer:
         for request in requests:
             parsed = parse_traceparent(request.traceparent)
             if parsed is not None:
-                context = SpanContextIds(parsed[0], parsed[1])
-                self._step_contexts[request.request_id] = self._live[request.request_id] = context
+                self._step_contexts[request.request_id] = SpanContextIds(parsed[0], parsed[1])
         if self._step_spans:
             self._step_span = SpanContextIds(IDS.trace_id(), IDS.span_id())
             self._step_start = time_ns()
@@ -324,13 +323,8 @@ class PipelineTracer:
         self.flush()
 
     def request_context(self, req_id: str) -> SpanContextIds | None:
-        """Worker side: the span context of a traced request that has not finished."""
-        return self._live.get(req_id)
-
-    def requests_finished(self, req_ids: set[str]) -> None:
-        """Worker side: vLLM finished these requests (transfers still running keep their own context)."""
-        for req_id in req_ids:
-            self._live.pop(req_id, None)
+        """Worker side: the span context of a traced request of the bound step."""
+        return self._step_contexts.get(req_id)
 
     def transfer(
         self, context: SpanContextIds, spec: ChildSpec, request_id: str, direction: str, start_ns: int, end_ns: int,
@@ -379,7 +373,7 @@ class PipelineTracer:
 
     @property
     def open_requests(self) -> int:
-        return len(self._requests) + len(self._loaders) + len(self._finished_async) + len(self._live)
+        return len(self._requests) + len(self._loaders) + len(self._finished_async)
 
 
 class NoTracing:
@@ -395,7 +389,9 @@ class NoTracing:
     def request_finished(self, request: Request, saves_async: bool = False) -> None:
         pass
 
-    def step_requests(self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None) -> None:
+    def step_requests(
+        self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None, moving: Iterable[str] = ()
+    ) -> None:
         return None
 
     def begin_step(self, requests: tuple[TracedRequest, ...] | None, loads: Mapping[str, LoadPlan] | None) -> None:
@@ -406,9 +402,6 @@ class NoTracing:
 
     def request_context(self, req_id: str) -> None:
         return None
-
-    def requests_finished(self, req_ids: set[str]) -> None:
-        pass
 
     def breaker_changed(self, connector: str, state: str) -> None:
         pass
