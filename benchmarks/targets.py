@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-HOT_PATH_MAX_VS_MULTI = 1.0  # kvcompose (metrics on, tracing off) per call / MultiConnector's
+HOT_PATH_MAX_VS_MULTI = 2.0  # kvcompose (metrics on, tracing off) per call / MultiConnector's
+BARE_MAX_VS_MULTI = 1.0  # kvcompose with metrics and tracing off
 STEP_TRACING_MIN_VS_MULTI = 0.97  # tokens/s with tracing at step granularity / MultiConnector's
 UNREACHABLE_MIN_VS_OFF = 0.95  # tokens/s exporting to a closed port / tracing off
 # RSS growth over tracing off while exporting nowhere: the span queue holds at
@@ -30,10 +31,11 @@ class Check:
 
 def hot_path_checks(rows: list[dict[str, Any]]) -> list[Check]:
     return [
-        Check(f"{row['op']}, {row['children']} children: kvcompose (tracing off) <= "
-              f"{HOT_PATH_MAX_VS_MULTI}x MultiConnector",
-              f"{row['vs_multi']['kvc_off']:.2f}x", row["vs_multi"]["kvc_off"] <= HOT_PATH_MAX_VS_MULTI)
+        Check(f"{row['op']}, {row['children']} children: kvcompose {label} <= {limit}x MultiConnector",
+              f"{row['vs_multi'][subject]:.2f}x", row["vs_multi"][subject] <= limit)
         for row in rows
+        for subject, label, limit in (("kvc_off", "(metrics on, tracing off)", HOT_PATH_MAX_VS_MULTI),
+                                      ("kvc_bare", "(metrics and tracing off)", BARE_MAX_VS_MULTI))
     ]
 
 

@@ -34,7 +34,7 @@ def test_hot_path_times_every_subject_for_every_call() -> None:
         assert set(row["vs_multi"]) == set(hot_path.SUBJECTS) - {"multi"} and _finite(row["vs_multi"].values())
         assert _finite([row["off_vs_floor"]])
     assert len(hot_path.table(rows).splitlines()) == 2 + len(rows)
-    assert len(targets.hot_path_checks(rows)) == len(rows)
+    assert len(targets.hot_path_checks(rows)) == 2 * len(rows)  # metrics on, and everything off
 
 
 def test_traced_subjects_make_spans_in_their_bound_step() -> None:
