@@ -11,10 +11,11 @@ The settings are the connector's ``kv_connector_extra_config``::
 
 Or, to change the faults of a running engine, ``faults_file: /etc/kvcompose/faults.yaml``
 instead of ``faults``: the file holds what ``faults`` would, and is read again
-whenever it changes (checked at each lookup and once per step in the scheduler
-and in every worker). An absent or empty file injects nothing; a file that is
-not valid is logged, naming the field, and the faults stay as they were.
-Replace the file (write another, rename it over) so no process reads it half written.
+whenever it changes (checked on every call, a ``stat`` of a few microseconds,
+so a change applies to the next call in every process). An absent or empty
+file injects nothing; a file that is not valid is logged, naming the field,
+and the faults stay as they were. Replace the file (write another, rename it
+over) so no process reads it half written.
 
 Every decision is a hash of (seed, kind, subject, how many times this subject
 was drawn before), not a shared random stream, so the scheduler and every
@@ -181,31 +182,33 @@ class FaultsFile:
 class FaultPlan:
     """Seeded decisions for one connector instance."""
 
-    def __init__(self, seed: int, faults: Faults, source: FaultsFile | None = None) -> None:
+    def __init__(
+        self, seed: int, faults: Faults, source: FaultsFile | None = None,
+        refuse: Callable[[Faults], str | None] = lambda faults: None,
+    ) -> None:
         self.seed = seed
         self.faults = faults
         self._source = source
+        self._refuse = refuse
         self._counts: dict[tuple[str, str], int] = {}
-        self.injected: Counter[str] = Counter()  # operation -> InjectedFault raised
+        self.injected: Counter[str] = Counter()  # operation (or "lie") -> faults injected
+        self.refresh()
 
     @classmethod
-    def of(cls, config: FaultInjectionConfig) -> FaultPlan:
+    def of(cls, config: FaultInjectionConfig, refuse: Callable[[Faults], str | None]) -> FaultPlan:
+        """The plan of a connector's settings; ``refuse`` says why faults cannot run here, if they cannot."""
         source = FaultsFile(config.faults_file) if config.faults_file is not None else None
-        plan = cls(config.seed, config.faults, source)
-        plan.refresh()
-        return plan
+        return cls(config.seed, config.faults, source, refuse)
 
-    def refresh(self, accept: Callable[[Faults], str | None] | None = None) -> bool:
-        """Take the faults file's new faults, if it changed; ``accept`` may refuse them with a reason.
-        True if the faults changed."""
+    def refresh(self) -> None:
+        """Take the faults file's new faults, if it changed and they can run here."""
         if self._source is None or (faults := self._source.changed()) is None:
-            return False
-        if accept is not None and (refusal := accept(faults)) is not None:
+            return
+        if (refusal := self._refuse(faults)) is not None:
             logger.error("faults file not applied; the faults stay as they were", problems=refusal)
-            return False
+            return
         self.faults = faults
         logger.warning("faults changed", path=str(self._source.path), **describe(faults))
-        return True
 
     def happens(self, kind: str, subject: str, probability: float) -> bool:
         """The next decision for (kind, subject): True with ``probability``."""
@@ -215,7 +218,10 @@ class FaultPlan:
         return probability > 0.0 and draw(self.seed, kind, subject, count) < probability
 
     def lies_about(self, request_id: str) -> bool:
-        return self.faults.lie > 0.0 and self.happens("lie", request_id, self.faults.lie)
+        if self.faults.lie > 0.0 and self.happens("lie", request_id, self.faults.lie):
+            self.injected["lie"] += 1
+            return True
+        return False
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's draw count."""
@@ -232,6 +238,8 @@ class FaultPlan:
 
     def before(self, operation: str) -> None:
         """Inject this call's faults: sleep if latency is drawn, then raise if a failure is."""
+        if self._source is not None:
+            self.refresh()
         if (latency := self.faults.latency.get(operation)) is not None and self.happens(
             "latency", operation, latency.probability
         ):

@@ -130,7 +130,7 @@ class FaultInjectionConnector(KVConnectorBase_V1):
         self._kv_cache_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         if (refusal := self._refuse(self.config.faults)) is not None:
             raise ValueError(f"FaultInjectionConnector: {refusal}")
-        self.plan = FaultPlan.of(self.config)
+        self.plan = FaultPlan.of(self.config, self._refuse)
         self.inner = resolved.connector_cls(resolved.vllm_config, role, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         # Scheduler side: request id -> tokens computed when its lookup lied, and
@@ -209,7 +209,6 @@ class FaultInjectionConnector(KVConnectorBase_V1):
     # ==============================
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        self.plan.refresh(self._refuse)
         self.plan.before("get_num_new_matched_tokens")
         matched, load_async = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
         self._lies.pop(request.request_id, None)  # an earlier lookup's lie (one a fault left goes at alloc or finish)
@@ -232,7 +231,6 @@ class FaultInjectionConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FaultInjectionMetadata:
         unloaded, self._unloaded = tuple(self._unloaded), []
-        self.plan.refresh(self._refuse)
         self.plan.before("build_connector_meta")
         return FaultInjectionMetadata(self.inner.build_connector_meta(scheduler_output), unloaded_block_ids=unloaded)
 
@@ -244,7 +242,6 @@ class FaultInjectionConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         self._load_errors = set()  # a step's blocks are that step's: never reported in a later one
-        self.plan.refresh(self._refuse)
         self.plan.before("bind_connector_metadata")
         assert isinstance(connector_metadata, FaultInjectionMetadata)
         self.inner.bind_connector_metadata(connector_metadata.inner)
