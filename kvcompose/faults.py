@@ -9,6 +9,14 @@ The settings are the connector's ``kv_connector_extra_config``::
       latency: {wait_for_save: {probability: 1.0, seconds: 0.01}}
       lie: 0.3          # probability that a hit is reported, then not loaded
 
+Or, to change the faults of a running engine, ``faults_file: /etc/kvcompose/faults.yaml``
+instead of ``faults``: the file holds what ``faults`` would, and is read again
+whenever it changes (checked on every call, a ``stat`` of a few microseconds,
+so a change applies to the next call in every process). An absent or empty
+file injects nothing; a file that is not valid is logged, naming the field,
+and the faults stay as they were. Replace the file (write another, rename it
+over) so no process reads it half written.
+
 Every decision is a hash of (seed, kind, subject, how many times this subject
 was drawn before), not a shared random stream, so the scheduler and every
 worker process decide alike and a run with the same seed and the same calls
@@ -18,15 +26,22 @@ repeats its faults exactly. This module does not import vLLM.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvcompose.config import ChildConfig, LabelSafeName, did_you_mean, validation_problems
 from kvcompose.errors import PipelineConfigError
+from kvcompose.logs import get_logger
 from kvcompose.operations import CONNECTOR_OPERATIONS, HMA_OPERATIONS
+from kvcompose.source import read_pipeline_source
+
+logger = get_logger("fault_injection")
 
 # Every connector operation FaultInjectionConnector passes to its inner
 # connector, and so every operation a fault may target (it does not support HMA).
@@ -104,6 +119,17 @@ class FaultInjectionConfig(_Settings):
     seed: int = Field(0, description="Same seed and same calls, same faults.")
     inner: InnerConnector = Field(description="The connector that does the real work.")
     faults: Faults = Faults()
+    faults_file: Annotated[str, Field(min_length=1)] | None = Field(
+        None,
+        description="A YAML or JSON file holding the faults instead, read again whenever it changes: the faults "
+        "of a running engine can change. Absent or empty: no faults.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source_of_faults(self) -> FaultInjectionConfig:
+        if self.faults_file is not None and "faults" in self.model_fields_set:
+            raise ValueError("set faults or faults_file, not both")
+        return self
 
 
 def fault_injection_config(extra_config: Mapping[str, Any]) -> FaultInjectionConfig:
@@ -120,13 +146,69 @@ def draw(seed: int, kind: str, subject: str, count: int) -> float:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2.0**64
 
 
+class FaultsFile:
+    """Faults read from a file, again whenever the file changes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self._stamp: tuple[int, ...] | None = None
+
+    def changed(self) -> Faults | None:
+        """The file's faults if it changed since the last call (no faults once it is gone), else None.
+
+        A file that cannot be read or is not valid is logged and answers None."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            stamp: tuple[int, ...] | None = None
+        else:
+            stamp = (stat.st_mtime_ns, stat.st_ctime_ns, stat.st_size, stat.st_ino)
+        if stamp == self._stamp:
+            return None
+        self._stamp = stamp
+        if stamp is None:
+            return Faults()
+        try:
+            data, _, label = read_pipeline_source(self.path)
+            try:
+                return Faults.model_validate(data or {})
+            except ValidationError as error:
+                raise PipelineConfigError(validation_problems(error), label) from None
+        except PipelineConfigError as error:
+            logger.error("faults file not applied; the faults stay as they were", problems=str(error))
+            return None
+
+
 class FaultPlan:
     """Seeded decisions for one connector instance."""
 
-    def __init__(self, seed: int, faults: Faults) -> None:
+    def __init__(
+        self, seed: int, faults: Faults, source: FaultsFile | None = None,
+        refuse: Callable[[Faults], str | None] = lambda faults: None,
+    ) -> None:
         self.seed = seed
         self.faults = faults
+        self._source = source
+        self._refuse = refuse
         self._counts: dict[tuple[str, str], int] = {}
+        self.injected: Counter[str] = Counter()  # operation (or "lie") -> faults injected
+        self.refresh()
+
+    @classmethod
+    def of(cls, config: FaultInjectionConfig, refuse: Callable[[Faults], str | None]) -> FaultPlan:
+        """The plan of a connector's settings; ``refuse`` says why faults cannot run here, if they cannot."""
+        source = FaultsFile(config.faults_file) if config.faults_file is not None else None
+        return cls(config.seed, config.faults, source, refuse)
+
+    def refresh(self) -> None:
+        """Take the faults file's new faults, if it changed and they can run here."""
+        if self._source is None or (faults := self._source.changed()) is None:
+            return
+        if (refusal := self._refuse(faults)) is not None:
+            logger.error("faults file not applied; the faults stay as they were", problems=refusal)
+            return
+        self.faults = faults
+        logger.warning("faults changed", path=str(self._source.path), **describe(faults))
 
     def happens(self, kind: str, subject: str, probability: float) -> bool:
         """The next decision for (kind, subject): True with ``probability``."""
@@ -136,17 +218,28 @@ class FaultPlan:
         return probability > 0.0 and draw(self.seed, kind, subject, count) < probability
 
     def lies_about(self, request_id: str) -> bool:
-        return self.happens("lie", request_id, self.faults.lie)
+        if self.faults.lie > 0.0 and self.happens("lie", request_id, self.faults.lie):
+            self.injected["lie"] += 1
+            return True
+        return False
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's draw count."""
         self._counts.pop(("lie", request_id), None)
 
+    @property
+    def requests_drawn(self) -> int:
+        """Requests with a lie draw count (each is forgotten when the request finishes)."""
+        return sum(1 for kind, _ in self._counts if kind == "lie")
+
     def has_faults(self, operation: str) -> bool:
-        return operation in self.faults.raise_ or operation in self.faults.latency
+        """May calls of ``operation`` ever fail or wait? (Always, when the faults come from a file.)"""
+        return self._source is not None or operation in self.faults.raise_ or operation in self.faults.latency
 
     def before(self, operation: str) -> None:
         """Inject this call's faults: sleep if latency is drawn, then raise if a failure is."""
+        if self._source is not None:
+            self.refresh()
         if (latency := self.faults.latency.get(operation)) is not None and self.happens(
             "latency", operation, latency.probability
         ):
@@ -154,10 +247,11 @@ class FaultPlan:
         if (probability := self.faults.raise_.get(operation)) is not None and self.happens(
             "raise", operation, probability
         ):
+            self.injected[operation] += 1
             raise InjectedFault(f"fault injected into {operation} (probability {probability}, seed {self.seed})")
 
     def wrap(self, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        """``call`` preceded by the operation's faults; ``call`` itself when it has none."""
+        """``call`` preceded by the operation's faults; ``call`` itself when it can have none."""
         if not self.has_faults(operation):
             return call
 
@@ -166,3 +260,12 @@ class FaultPlan:
             return call(*args, **kwargs)
 
         return faulty
+
+
+def describe(faults: Faults) -> dict[str, Any]:
+    """The faults as log fields."""
+    return {
+        "raise_probability": dict(faults.raise_),
+        "latency": {op: f.model_dump() for op, f in faults.latency.items()},
+        "lie_probability": faults.lie,
+    }

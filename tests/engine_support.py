@@ -53,3 +53,11 @@ def generate(llm: Any, prompts: list[str], max_tokens: int = 8) -> list[tuple[li
     """Token ids and the number of prompt tokens served from cache, per prompt."""
     outputs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
     return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outputs]
+
+
+def in_process_connectors(llm: Any) -> tuple[Any, Any]:
+    """The scheduler's and the worker's KV connector of an engine running in this
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector, get_kv_transfer_group()

@@ -167,10 +167,11 @@ def test_a_certain_fault_raises_before_the_inner_connector_is_called(
         assert not hasattr(connector, operation)
         return
     method = getattr(connector, operation)
-    arguments = [None] * sum(
-        1 for p in inspect.signature(getattr(type(connector.inner), operation)).parameters.values()
+    arguments = [  # a real request where one is asked for: the injector drops its state for it first
+        _request("r1") if p.name == "request" else None
+        for p in inspect.signature(getattr(type(connector.inner), operation)).parameters.values()
         if p.name != "self" and p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD
-    )
+    ]
     with pytest.raises(InjectedFault, match=operation):
         method(*arguments)
     assert recording.CALL_LOGS[log] == []
@@ -354,6 +355,131 @@ def test_through_the_composite_lies_count_as_load_errors_and_faults_by_type(
     calls = worker.get_kv_connector_stats().calls
     assert calls.errors["flaky"] == {"start_load_kv": {"InjectedFault": 1}}
     assert calls.load_error_blocks("flaky") == 3
+
+
+# ---------------------------------------------------------------- no state outlives its request
+
+
+# Every operation a request's life calls on a child (below, through the composite).
+LIFECYCLE_OPERATIONS = (
+    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
+    "bind_connector_metadata", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+    "get_transfer_results", "get_block_ids_with_load_errors", "clear_connector_metadata",
+)
+
+
+def _live_through_the_composite(scheduler: Any, worker: Any, request_ids: list[str], hit: int) -> None:
+    """vLLM's calls for each request, one request per step: lookup, allocation, the step's metadata, the
+    worker's step, finish. Every third request is aborted while waiting: finished after its lookup."""
+    from .connector_support import make_blocks, make_request, scheduler_output
+    from kvcompose.testing.steps import forward_step
+
+    for index, request_id in enumerate(request_ids):
+        request = make_request(request_id)
+        matched, _ = scheduler.get_num_new_matched_tokens(request, 0)
+        if index % 3 == 2:
+            scheduler.request_finished(request, [])
+            continue
+        blocks = make_blocks(4 * index, 4 * index + 1, 4 * index + 2, 4 * index + 3)
+        scheduler.update_state_after_alloc(request, blocks, matched or 0)
+        worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=[request])))
+        forward_step(worker, finished=[request_ids[index - 1]] if index else ())
+        worker.clear_connector_metadata()
+        scheduler.request_finished(request, list(blocks.get_block_ids()[0]))
+
+
+@pytest.mark.parametrize("failing", [*LIFECYCLE_OPERATIONS, "all"])
+def test_a_fault_in_any_operation_leaves_no_state_behind(
+    vllm_config_with: Callable, base_vllm_config: Any, failing: str
+) -> None:
+    """Every request hits and is lied about; the failing operation(s) raise. Afterwards neither the
+    injector nor the composite holds anything for a request or a step."""
+    from .connector_support import composite_pair
+
+    request_ids = [f"{failing}-{i}" for i in range(300)]
+    hit = 3 * base_vllm_config.cache_config.block_size
+    script = {"matches": {request_id: [[hit, False]] for request_id in request_ids}}
+    raises = {op: 0.5 for op in LIFECYCLE_OPERATIONS} if failing == "all" else {failing: 1.0}
+    pipeline = {"version": 1, "name": "leak", "children": [
+        {"name": "flaky", **FAULT_INJECTION, "circuit_breaker": {"enabled": False}, "config": {
+            "seed": 2, "inner": _recording_inner(f"leak/{failing}", script),
+            "faults": {"lie": 1.0 if failing != "all" else 0.5, "raise": raises}}},
+        {"name": "steady", **RECORDING, "config": {"log": f"leak/{failing}/steady"}},
+    ]}
+    scheduler, worker = composite_pair(vllm_config_with, pipeline)
+    _live_through_the_composite(scheduler, worker, request_ids, hit)
+
+    injectors = [scheduler.children[0].connector, worker.children[0].connector]
+    assert sum(injector.plan.injected[op] for injector in injectors for op in raises) > 0  # the faults fired
+    assert [injector.request_state_sizes() for injector in injectors] == [{}, {}]
+    assert scheduler.request_state_sizes() == {} and worker.request_state_sizes() == {}
+    recording.CALL_LOGS.pop(f"leak/{failing}/steady", None)
+
+
+# ---------------------------------------------------------------- faults that change at run time
+
+
+def _write(path: Path, text: str) -> None:
+    """Replace the file whole, as the faults_file documentation asks."""
+    staging = path.with_suffix(".new")
+    staging.write_text(text)
+    staging.replace(path)
+
+
+def test_a_faults_file_changes_the_faults_of_a_running_connector(
+    vllm_config_with: Callable, tmp_path: Path
+) -> None:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from kvcompose.faults import InjectedFault
+
+    faults_file = tmp_path / "faults.yaml"
+    settings = {"inner": _recording_inner("file"), "faults_file": str(faults_file)}
+    scheduler, worker = (_build(vllm_config_with, role, settings) for role in ("SCHEDULER", "WORKER"))
+
+    def next_step_raises() -> bool:
+        worker.bind_connector_metadata(scheduler.build_connector_meta(SchedulerOutput.make_empty()))
+        try:
+            worker.wait_for_save()
+            return False
+        except InjectedFault:
+            return True
+        finally:
+            worker.clear_connector_metadata()
+
+    assert not next_step_raises()  # no file yet: no faults
+    _write(faults_file, "raise: {wait_for_save: 1.0}\n")
+    assert next_step_raises() and next_step_raises()
+    log = _Lines()
+    logging.getLogger("kvcompose.fault_injection").addHandler(log)
+    try:
+        _write(faults_file, "raise: {wait_for_sav: 1.0}\n")  # a typo: the faults stay as they were
+        assert next_step_raises()
+    finally:
+        logging.getLogger("kvcompose.fault_injection").removeHandler(log)
+    refused = [line for line in log.lines if "faults file not applied" in line]
+    assert len(refused) == 2  # once by each side, each reading the file once
+    assert all("raise: unknown operation 'wait_for_sav'; did you mean 'wait_for_save'?" in line for line in refused)
+    _write(faults_file, "")  # empty: no faults
+    assert not next_step_raises()
+    _write(faults_file, "raise: {wait_for_save: 1.0}\n")
+    assert next_step_raises()
+    faults_file.unlink()  # gone: no faults
+    assert not next_step_raises()
+
+
+def test_faults_and_faults_file_are_exclusive() -> None:
+    path, message = _problem({"inner": INNER, "faults": {"lie": 0.1}, "faults_file": "/tmp/f.yaml"})
+    assert path == () and message == "set faults or faults_file, not both"
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 # ---------------------------------------------------------------- stats and metrics of the inner connector

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 from kvcompose.config import load_pipeline
-from kvcompose.connectors.pairing import PAIRING_KEY, PairingCheck, PipelineShape, mismatches
+from kvcompose.connectors.pairing import PAIRING_KEY, PairingCheck, PipelineShape, entry_hash, mismatches
+from kvcompose.log_throttle import LogThrottle
+from kvcompose.logs import ROOT_LOGGER
 from kvcompose.testing import recording
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "disaggregated"
@@ -96,7 +98,7 @@ def test_params_from_a_server_without_kvcompose(prefill_shape: PipelineShape) ->
     assert "runs no kvcompose pipeline (or the proxy dropped the key)" in problem
     assert "off for pipeline 'pd-prefill'" in problem
     assert PairingCheck(prefill_shape).problems({**HANDOFF, PAIRING_KEY: {"children": 3}}) == [
-        "malformed 'kvcompose' entry in kv_transfer_params: {'children': 3}"
+        "malformed 'kvcompose' entry in kv_transfer_params: kvcompose.pipeline: missing"
     ]
     assert PairingCheck(prefill_shape).problems({**HANDOFF, "do_remote_prefill": False}) == []
 
@@ -148,3 +150,126 @@ def test_composites_stamp_and_check_through_kv_transfer_params(
     assert "'ExampleConnector' (class ExampleConnector) in pipeline 'pd-prefill'" in line
     for log in ("pairing/pd-prefill", "pairing/pd-decode", "pairing/decode-store"):
         recording.CALL_LOGS.pop(log, None)
+
+
+# ---------------------------------------------------------------- entries from request bodies
+
+
+@pytest.mark.parametrize(
+    ("entry", "field", "fault"),
+    [
+        ([1, 2], "kvcompose", "not a mapping (an array)"),
+        ({"pipeline": "p", "hybrid_kv_cache_manager": False}, "kvcompose.children", "missing"),
+        ({"pipeline": "Bad Name", "hybrid_kv_cache_manager": False, "children": []}, "kvcompose.pipeline",
+         "not a label-safe pipeline name"),
+        ({"pipeline": "p", "hybrid_kv_cache_manager": "yes", "children": []}, "kvcompose.hybrid_kv_cache_manager",
+         "not a boolean (a string)"),
+        ({"pipeline": "p", "hybrid_kv_cache_manager": False, "children": []}, "kvcompose.children",
+         "not a list of 1 to 64 children"),
+        ({"pipeline": "p", "hybrid_kv_cache_manager": False, "children": [["a", "B"]]}, "kvcompose.children[0]",
+         "not [name, connector, class] strings"),
+        ({"pipeline": "p", "hybrid_kv_cache_manager": False, "children": [["a", "B", "C"], ["b\n", "B", "C"]]},
+         "kvcompose.children[1][0]", "not a label-safe child name"),
+        ({"pipeline": "p", "hybrid_kv_cache_manager": False, "children": [["a", "B()", "C"]]},
+         "kvcompose.children[0]", "connector or class is not a class name"),
+    ],
+)
+def test_a_malformed_entry_names_the_field_and_quotes_nothing(
+    prefill_shape: PipelineShape, entry: Any, field: str, fault: str
+) -> None:
+    [problem] = PairingCheck(prefill_shape).problems({**HANDOFF, PAIRING_KEY: entry})
+    assert problem == f"malformed 'kvcompose' entry in kv_transfer_params: {field}: {fault}"
+
+
+class _Rendered(logging.Handler):
+    """The kvcompose log output exactly as its stream handler writes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.text = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.text += self.format(record) + "\n"
+
+
+@pytest.fixture
+def rendered() -> Any:
+    handler = _Rendered()
+    logging.getLogger(ROOT_LOGGER).addHandler(handler)
+    yield handler
+    logging.getLogger(ROOT_LOGGER).removeHandler(handler)
+
+
+FORGED = "ok\n2026-01-01T00:00:00Z [info     ] all good\x1b[2J\r\u2028"
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"pipeline": FORGED, "hybrid_kv_cache_manager": False, "children": [["hot", "ExampleConnector"] * 2]},
+        {"pipeline": "pd-prefill", "hybrid_kv_cache_manager": False,
+         "children": [["nixl", "NixlConnector", "NixlPullConnector"], [FORGED, "ExampleConnector", "X"]]},
+        {"pipeline": "pd-prefill", "hybrid_kv_cache_manager": False,
+         "children": [["nixl", f"Nixl{FORGED}", "NixlPullConnector"]]},
+        {FORGED: FORGED},
+        FORGED,
+    ],
+)
+def test_a_forged_entry_cannot_write_a_log_line_of_its_own(
+    prefill_shape: PipelineShape, rendered: _Rendered, entry: Any
+) -> None:
+    params = {**HANDOFF, PAIRING_KEY: entry}
+    PairingCheck(prefill_shape).check(params)
+    [line] = rendered.text.splitlines()  # str.splitlines also splits at \r and \u2028
+    assert "prefill/decode pipelines do not match" in line and "malformed 'kvcompose' entry" in line
+    assert "\x1b" not in line and "all good" not in line
+    assert f"entry_sha256={entry_hash(entry)}" in line  # the entry can be found, not read, from the log
+
+
+def test_twenty_thousand_distinct_entries_keep_a_fixed_memory(prefill_shape: PipelineShape) -> None:
+    """Each entry a client sends is a new problem (a child name the pipeline lacks) or
+    a malformed one; what the check remembers stays within its fixed number of digests."""
+    import tracemalloc
+
+    check = PairingCheck(prefill_shape, LogThrottle(remembered=256, lines=10**9))
+    logging.getLogger("kvcompose.pairing").disabled = True  # 20,000 lines to stderr prove nothing here
+    try:
+        tracemalloc.start()
+        before = tracemalloc.take_snapshot()
+        for index in range(20_000):
+            children = [["nixl", "NixlConnector", "NixlPullConnector"], [f"c{index}", "ExampleConnector", "Ex"]]
+            check.check({**HANDOFF, PAIRING_KEY: {"pipeline": "pd-prefill", "hybrid_kv_cache_manager": False,
+                                                  "children": children}})
+            check.check({**HANDOFF, PAIRING_KEY: {"payload": "x" * 500 + str(index)}})
+        after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+    finally:
+        logging.getLogger("kvcompose.pairing").disabled = False
+    assert check.throttle.remembered == 256
+    kept = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert kept < 200_000, f"the pairing check kept {kept} bytes after 40,000 entries"
+
+
+def test_repeated_problems_log_at_most_n_lines_per_interval(
+    prefill_shape: PipelineShape, rendered: _Rendered
+) -> None:
+    now = [0.0]
+    check = PairingCheck(prefill_shape, LogThrottle(lines=3, interval_s=60.0, clock=lambda: now[0]))
+
+    def send(names: range) -> list[str]:
+        start = len(rendered.text.splitlines())
+        for index in names:  # one problem each: the hybrid KV cache manager, named with the remote pipeline
+            remote = {**prefill_shape.to_params(), "pipeline": f"p{index}", "hybrid_kv_cache_manager": True}
+            check.check({**HANDOFF, PAIRING_KEY: remote})
+        return rendered.text.splitlines()[start:]
+
+    assert len(send(range(50))) == 3
+    now[0] = 59.0
+    assert send(range(50, 60)) == []
+    now[0] = 61.0
+    lines = send(range(60, 70))
+    assert len(lines) == 3 and "suppressed=57" in lines[0]
+    # A problem already logged is not logged again, whatever the rate allows.
+    now[0] = 200.0
+    assert send(range(60, 61)) == []

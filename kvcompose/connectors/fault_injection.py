@@ -18,6 +18,10 @@ their stores out of real traffic while lies are on.
 Lies apply to synchronous hits only (``None``, misses and asynchronous loads
 pass through untouched) and need a model with one KV cache group: vLLM maps
 failed block ids back to requests only then.
+
+A fault raised in any operation leaves no state behind: what the injector
+keeps per request or per step is taken out before the fault is drawn
+(:meth:`FaultInjectionConnector.request_state_sizes` shows what is left).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvcompose.compat import check_name_lookups, supports_sleep_mode
 from kvcompose.connectors.children import child_transfer_config
-from kvcompose.faults import FaultInjectionConfig, FaultPlan, fault_injection_config
+from kvcompose.faults import FaultInjectionConfig, FaultPlan, Faults, describe, fault_injection_config
 from kvcompose.logs import get_logger
 from kvcompose.metrics.native import STATS_KEY, NativeStats, class_path
 
@@ -124,27 +128,38 @@ class FaultInjectionConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         resolved = _resolve_inner(vllm_config)
         self.config = resolved.config
-        self.plan = FaultPlan(self.config.seed, self.config.faults)
         check_name_lookups(self.config.inner, resolved.connector_cls)
+        self._kv_cache_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        if (refusal := self._refuse(self.config.faults)) is not None:
+            raise ValueError(f"FaultInjectionConnector: {refusal}")
+        self.plan = FaultPlan.of(self.config, self._refuse)
         self.inner = resolved.connector_cls(resolved.vllm_config, role, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
-        if self.config.faults.lie and kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError(
-                "FaultInjectionConnector: faults.lie needs a model with one KV cache group (vLLM cannot map "
-                "failed block ids of several groups back to requests); set lie to 0"
-            )
         # Scheduler side: request id -> tokens computed when its lookup lied, and
         # the blocks lies leave unloaded this step.
         self._lies: dict[str, int] = {}
         self._unloaded: list[int] = []
         # Worker side: blocks to report through get_block_ids_with_load_errors.
         self._load_errors: set[int] = set()
-        faults = self.config.faults
         logger.warning(
             "fault injection on", role=role.name.lower(), inner=resolved.connector_cls.__name__,
-            raise_probability=dict(faults.raise_), latency={op: f.model_dump() for op, f in faults.latency.items()},
-            lie_probability=faults.lie, seed=self.config.seed,
+            seed=self.config.seed, faults_file=self.config.faults_file, **describe(self.plan.faults),
         )  # fmt: skip
+
+    def _refuse(self, faults: Faults) -> str | None:
+        """Why these faults cannot run on this model, if they cannot."""
+        if faults.lie and self._kv_cache_groups > 1:
+            return (
+                "faults.lie needs a model with one KV cache group (vLLM cannot map failed block ids of several "
+                "groups back to requests); set lie to 0"
+            )
+        return None
+
+    def request_state_sizes(self) -> dict[str, int]:
+        """Sizes of the per-request and per-step state that is not empty; none should outlive its request or step."""
+        sizes = {"lies": len(self._lies), "lie_draws": self.plan.requests_drawn,
+                 "unloaded_blocks": len(self._unloaded), "load_error_blocks": len(self._load_errors)}
+        return {name: size for name, size in sizes.items() if size}
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
@@ -201,7 +216,7 @@ class FaultInjectionConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.plan.before("get_num_new_matched_tokens")
         matched, load_async = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
-        self._lies.pop(request.request_id, None)
+        self._lies.pop(request.request_id, None)  # an earlier lookup's lie (one a fault left goes at alloc or finish)
         if matched and not load_async and self.plan.lies_about(request.request_id):
             self._lies[request.request_id] = num_computed_tokens
         return matched, load_async
@@ -209,8 +224,8 @@ class FaultInjectionConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """After a lie the inner connector hears of no load, as a child that was
         not chosen; the blocks it would have filled are this step's unloaded blocks."""
-        self.plan.before("update_state_after_alloc")
         computed = self._lies.pop(request.request_id, None)
+        self.plan.before("update_state_after_alloc")
         if computed is None or num_external_tokens == 0:
             self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
             return
@@ -220,20 +235,18 @@ class FaultInjectionConnector(KVConnectorBase_V1):
         self._unloaded.extend(blocks.get_block_ids()[0][first:end])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FaultInjectionMetadata:
+        unloaded, self._unloaded = tuple(self._unloaded), []
         self.plan.before("build_connector_meta")
-        metadata = FaultInjectionMetadata(
-            self.inner.build_connector_meta(scheduler_output), unloaded_block_ids=tuple(self._unloaded)
-        )
-        self._unloaded = []
-        return metadata
+        return FaultInjectionMetadata(self.inner.build_connector_meta(scheduler_output), unloaded_block_ids=unloaded)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.plan.before("request_finished")
         self._lies.pop(request.request_id, None)
         self.plan.forget(request.request_id)
+        self.plan.before("request_finished")
         return self.inner.request_finished(request, block_ids)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        self._load_errors = set()  # a step's blocks are that step's: never reported in a later one
         self.plan.before("bind_connector_metadata")
         assert isinstance(connector_metadata, FaultInjectionMetadata)
         self.inner.bind_connector_metadata(connector_metadata.inner)
@@ -251,10 +264,9 @@ class FaultInjectionConnector(KVConnectorBase_V1):
         self.inner.handle_preemptions(kv_connector_metadata.inner)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        unloaded, self._load_errors = self._load_errors, set()
         self.plan.before("get_block_ids_with_load_errors")
-        failed = self.inner.get_block_ids_with_load_errors() | self._load_errors
-        self._load_errors = set()
-        return failed
+        return self.inner.get_block_ids_with_load_errors() | unloaded
 
     # ==============================
     # Stats and metrics: the inner connector's, tagged with its class

@@ -13,19 +13,35 @@ receives them compares that description with its own pipeline before NIXL's
 handshake and logs which pipeline setting differs. The rule it checks is the
 documented one: both servers run the same children (names and connectors)
 under the same composite class. Child configs (a storage path) may differ.
+
+``kv_transfer_params`` arrive in request bodies, so a client can send any
+``kvcompose`` entry. An entry is read only if every name in it is a label-safe
+name or a class name; otherwise the log names the field at fault and a hash
+of the entry, never its content. Each distinct problem is logged once while
+remembered, and at most a few lines a minute (:class:`LogThrottle`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvcompose.config import LABEL_SAFE_PATTERN
+from kvcompose.log_throttle import LogThrottle
 from kvcompose.logs import get_logger
 
 logger = get_logger("pairing")
 
 PAIRING_KEY = "kvcompose"
+
+# What a name in a received entry may look like: no quoting, control character or length to worry about.
+_NAME = re.compile(LABEL_SAFE_PATTERN)
+_CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+MAX_REMOTE_CHILDREN = 64  # far more than any pipeline has; a longer list is not a pipeline description
 
 HMA_ADVICE = (
     "The connector class in --kv-transfer-config decides it: KVComposeConnector turns it off, "
@@ -78,12 +94,63 @@ class PipelineShape:
 
     @classmethod
     def from_params(cls, data: Any) -> PipelineShape:
-        """Raises ValueError when ``data`` is not what :meth:`to_params` writes."""
-        try:
-            children = tuple(ChildShape(*map(str, entry)) for entry in data["children"])
-            return cls(str(data["pipeline"]), bool(data["hybrid_kv_cache_manager"]), children)
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"malformed {PAIRING_KEY!r} entry in kv_transfer_params: {data!r}") from error
+        """Raises :class:`MalformedEntry` when ``data`` is not what :meth:`to_params` writes."""
+        if not isinstance(data, Mapping):
+            raise MalformedEntry(PAIRING_KEY, f"not a mapping ({_kind(data)})")
+        pipeline = _field(data, "pipeline")
+        if not isinstance(pipeline, str) or not _NAME.fullmatch(pipeline):
+            raise MalformedEntry(f"{PAIRING_KEY}.pipeline", "not a label-safe pipeline name")
+        hybrid = _field(data, "hybrid_kv_cache_manager")
+        if not isinstance(hybrid, bool):
+            raise MalformedEntry(f"{PAIRING_KEY}.hybrid_kv_cache_manager", f"not a boolean ({_kind(hybrid)})")
+        entries = _field(data, "children")
+        if not isinstance(entries, list) or not 0 < len(entries) <= MAX_REMOTE_CHILDREN:
+            raise MalformedEntry(f"{PAIRING_KEY}.children", f"not a list of 1 to {MAX_REMOTE_CHILDREN} children")
+        return cls(pipeline, hybrid, tuple(_child(index, entry) for index, entry in enumerate(entries)))
+
+
+class MalformedEntry(ValueError):
+    """A ``kvcompose`` entry in kv_transfer_params that is not a pipeline description.
+
+    The message names the field at fault; it quotes nothing of the entry, which comes from a request body.
+    """
+
+    def __init__(self, field: str, fault: str) -> None:
+        super().__init__(f"malformed {PAIRING_KEY!r} entry in kv_transfer_params: {field}: {fault}")
+        self.field = field
+
+
+def _field(data: Mapping[Any, Any], key: str) -> Any:
+    if key not in data:
+        raise MalformedEntry(f"{PAIRING_KEY}.{key}", "missing")
+    return data[key]
+
+
+def _child(index: int, entry: Any) -> ChildShape:
+    if not isinstance(entry, list) or len(entry) != 3 or not all(isinstance(part, str) for part in entry):
+        raise MalformedEntry(f"{PAIRING_KEY}.children[{index}]", "not [name, connector, class] strings")
+    name, connector, connector_class = entry
+    if not _NAME.fullmatch(name):
+        raise MalformedEntry(f"{PAIRING_KEY}.children[{index}][0]", "not a label-safe child name")
+    if not _CLASS_NAME.fullmatch(connector) or not _CLASS_NAME.fullmatch(connector_class):
+        raise MalformedEntry(f"{PAIRING_KEY}.children[{index}]", "connector or class is not a class name")
+    return ChildShape(name, connector, connector_class)
+
+
+def _kind(value: Any) -> str:
+    """The JSON kind of a value, for messages that must not quote it."""
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return kinds.get(type(value), "not JSON")
+
+
+def entry_hash(entry: Any) -> str:
+    """A short hash of a received entry, to find the request's params without logging them."""
+    try:
+        text = json.dumps(entry, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):
+        text = repr(entry)
+    return hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:16]
 
 
 def mismatches(local: PipelineShape, remote: PipelineShape) -> list[str]:
@@ -133,10 +200,10 @@ class PairingCheck:
     """Stamps outgoing kv_transfer_params with this pipeline's shape and
     checks incoming ones against it, logging each distinct problem once."""
 
-    def __init__(self, local: PipelineShape) -> None:
+    def __init__(self, local: PipelineShape, throttle: LogThrottle | None = None) -> None:
         self.local = local
         self._stamp = local.to_params()
-        self._reported: set[str] = set()
+        self.throttle = throttle or LogThrottle()
 
     def stamp(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
         """Add this pipeline's shape to kv_transfer_params that hand a prefilled
@@ -167,13 +234,18 @@ class PairingCheck:
             ]
         try:
             remote = PipelineShape.from_params(description)
-        except ValueError as error:
+        except MalformedEntry as error:
             return [str(error)]
         return mismatches(self.local, remote)
 
     def check(self, params: Mapping[str, Any] | None) -> None:
-        """Log each problem with this request's pairing, the first time it is seen."""
+        """Log each problem with this request's pairing, the first time it is seen (within the throttle's rate)."""
         for problem in self.problems(params):
-            if problem not in self._reported:
-                self._reported.add(problem)
-                logger.error("prefill/decode pipelines do not match", pipeline=self.local.pipeline, problem=problem)
+            if not self.throttle.admit(problem):
+                continue
+            assert params is not None  # there are problems only with params
+            held_back = self.throttle.take_suppressed()
+            logger.error(
+                "prefill/decode pipelines do not match", pipeline=self.local.pipeline, problem=problem,
+                entry_sha256=entry_hash(params.get(PAIRING_KEY)), **({"suppressed": held_back} if held_back else {}),
+            )
