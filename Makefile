@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make demo` and `make test`.
-.PHONY: test test-compat demo bench venv lint clean
+.PHONY: test test-compat test-lmcache demo bench venv lint clean
 
 VENV_PY := .venv/bin/python
 
@@ -13,6 +13,11 @@ test: venv
 # The connector-API tests and one real-engine test on vLLM 0.30 and 0.31 (own cached venvs).
 test-compat:
 	@scripts/test-compat.sh
+
+# Optional, not in `make test` or CI: vLLM's LMCacheConnectorV1 as a kvcompose child, in its own venv
+# (scripts/ensure-lmcache-venv.sh) with a test-only CPU copy shim (tests/lmcache).
+test-lmcache: venv
+	PYTHONHASHSEED=0 PYTHONPATH=$(CURDIR) "$$(scripts/ensure-lmcache-venv.sh)/bin/python" -m pytest -q tests/lmcache
 
 demo: venv
 	$(VENV_PY) examples/demo.py
