@@ -17,7 +17,8 @@ test-compat:
 # Optional, not in `make test` or CI: vLLM's LMCacheConnectorV1 as a kvcompose child, in its own venv
 # (scripts/ensure-lmcache-venv.sh) with a test-only CPU copy shim (tests/lmcache).
 test-lmcache: venv
-	PYTHONHASHSEED=0 PYTHONPATH=$(CURDIR) "$$(scripts/ensure-lmcache-venv.sh)/bin/python" -m pytest -q tests/lmcache
+	KVCOMPOSE_TEST_LMCACHE=1 PYTHONHASHSEED=0 PYTHONPATH=$(CURDIR) \
+		"$$(scripts/ensure-lmcache-venv.sh)/bin/python" -m pytest -q tests/lmcache
 
 demo: venv
 	$(VENV_PY) examples/demo.py

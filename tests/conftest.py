@@ -10,6 +10,9 @@ from typing import Any
 
 import pytest
 
+# tests/lmcache needs the optional LMCache venv: only `make test-lmcache` (which sets this) collects it.
+collect_ignore = [] if os.environ.get("KVCOMPOSE_TEST_LMCACHE") else ["lmcache"]
+
 # Keep vLLM quiet and off the network in every test process.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
