@@ -229,3 +229,19 @@ def test_a_sampled_requests_step_spans_are_kept_and_isolated_failures_answer_neu
     assert failed[0].status.status_code is StatusCode.ERROR
     assert failed[0].attributes[attr.ERROR_TYPE] == "kvcompose.testing.recording.ScriptedFailure"
     assert attr.FINISHED_SENDING not in failed[0].attributes
+
+
+def test_a_result_of_an_unexpected_shape_is_traced_without_attributes_never_raised(
+    vllm_config_with: Callable, exporter: Any
+) -> None:
+    """Tracing must not break generation: a child call answering with a malformed result is traced
+    without result attributes, and the caller gets the result unchanged."""
+    scheduler, _ = composite_pair(vllm_config_with, _pipeline({}))
+    request = make_request("r1", TRACEPARENT)
+    malformed = scheduler._tracing.wrap(scheduler.children[0].spec, "get_num_new_matched_tokens",
+                                        lambda request, computed: (32,))  # one value, where two belong
+    assert malformed(request, 0) == (32,)
+    scheduler.request_finished(request, [])
+
+    (lookup,) = [span for span in exporter.get_finished_spans() if span.name == "kvcompose.lookup"]
+    assert attr.MATCHED_TOKENS not in lookup.attributes and lookup.attributes[attr.REQUEST_ID] == "r1"

@@ -64,11 +64,20 @@ def completion_mode(connector_cls: type) -> Mode:
     return "sync"
 
 
+def _jobs(child_metadata: Any) -> Iterable[tuple[Literal["load", "save"], Any, Any]]:
+    """(direction, job id, job) of each job in a ``jobs`` child's metadata. Read by attribute name from
+    vLLM's experimental offloading metadata: fields a release lacks yield nothing rather than fail."""
+    for direction, field in (("load", "load_jobs"), ("save", "store_jobs")):
+        jobs = getattr(child_metadata, field, None)
+        if isinstance(jobs, Mapping):
+            for job_id, job in jobs.items():
+                yield direction, job_id, job
+
+
 def job_requests(children_metadata: Iterable[Any]) -> set[str]:
     """Scheduler side: the requests whose jobs the metadata of ``jobs`` children issues this step."""
-    return {job.req_id for metadata in children_metadata if metadata is not None
-            for jobs in (getattr(metadata, "load_jobs", None), getattr(metadata, "store_jobs", None))
-            for job in (jobs or {}).values()}
+    return {req_id for metadata in children_metadata for _, _, job in _jobs(metadata)
+            if isinstance(req_id := getattr(job, "req_id", None), str)}
 
 
 def is_first_worker() -> bool:
@@ -234,12 +243,13 @@ class TransferTracker:
     # ---- helpers ----
 
     def _start_jobs(self, child: int, child_metadata: Any) -> None:
-        jobs: Mapping[Any, Any] | None
-        for direction, jobs, gpu_side in (("load", getattr(child_metadata, "load_jobs", None), "dst_spec"),
-                                          ("save", getattr(child_metadata, "store_jobs", None), "src_spec")):
-            for job_id, job in (jobs or {}).items():
-                blocks = len(getattr(getattr(job, gpu_side, None), "block_ids", ()))
-                self._open[(child, str(job_id), direction)] = self._start(child, direction, job.req_id, blocks)
+        for direction, job_id, job in _jobs(child_metadata):
+            req_id = getattr(job, "req_id", None)
+            if not isinstance(req_id, str):
+                continue
+            engine_side = getattr(job, "dst_spec" if direction == "load" else "src_spec", None)  # the engine's blocks
+            blocks = len(getattr(engine_side, "block_ids", None) or ())
+            self._open[(child, str(job_id), direction)] = self._start(child, direction, req_id, blocks)
 
     def _start(self, child: int, direction: Literal["load", "save"], req_id: str, blocks: int) -> _Transfer:
         self._recorder.started(child, direction)

@@ -234,7 +234,10 @@ class PipelineTracer:
             if guard is not None and guard.failures != failures:
                 error_type = guard.last_error_type  # a failure or skip isolation answered: no result to describe
             elif extract is not None:
-                values = extract(args, result)
+                try:
+                    values = extract(args, result)
+                except Exception:  # a result of a shape the child should not return: described by nothing
+                    values = None
             return result
         finally:
             end = time_ns()
@@ -303,12 +306,12 @@ class PipelineTracer:
         """Bind the step's sampled requests and its loads (from the step's metadata)."""
         if not requests:
             return
-        self._step = requests
         self._step_loaders = {req_id: plan.child for req_id, plan in (loads or {}).items()}
         for request in requests:
             parsed = parse_traceparent(request.traceparent)
             if parsed is not None:
                 self._step_contexts[request.request_id] = SpanContextIds(parsed[0], parsed[1])
+        self._step = tuple(request for request in requests if request.request_id in self._step_contexts)
         if self._step_spans:
             self._step_span = SpanContextIds(IDS.trace_id(), IDS.span_id())
             self._step_start = time_ns()
