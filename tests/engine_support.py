@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -41,6 +45,34 @@ def start_llm(model: Path, kv_transfer_config: dict[str, Any] | None = None, **o
     if kv_transfer_config is not None:
         args["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
     return LLM(model=str(model), **args)
+
+
+@contextmanager
+def in_process_llm(model: Path, pipeline: dict[str, Any], env: dict[str, str] | None = None) -> Iterator[Any]:
+    """An engine running ``pipeline`` with scheduler and worker in this process (their state readable
+    by the test), under ``env``; yields the engine and an in-memory exporter of every pipeline's spans."""
+    import vllm.envs
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvcompose.config import load_pipeline
+    from kvcompose.render import kv_transfer_config
+    from kvcompose.tracing import set_span_exporter
+
+    spans = InMemorySpanExporter()
+    set_span_exporter(spans)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in {**(env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+                patch.setenv(name, value)
+            vllm.envs.disable_envs_cache()  # an in-process engine caches every VLLM_* variable
+            llm = start_llm(model, kv_transfer_config(load_pipeline(pipeline), pipeline), disable_log_stats=False)
+            try:
+                yield llm, spans
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+    finally:
+        set_span_exporter(None)
+        vllm.envs.disable_envs_cache()
 
 
 def greedy(max_tokens: int = 8) -> Any:

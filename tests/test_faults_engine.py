@@ -19,14 +19,11 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from kvcompose.config import load_pipeline
 from kvcompose.logs import ROOT_LOGGER
 from kvcompose.metrics.summary import summarize
-from kvcompose.render import kv_transfer_config
 from kvcompose.testing.tiny_model import prompt_words
-from kvcompose.tracing import set_span_exporter
 
-from .engine_support import generate, start_llm
+from .engine_support import generate, in_process_llm
 
 pytestmark = pytest.mark.engine
 
@@ -57,8 +54,6 @@ class FaultyEngine:
 
 @pytest.fixture(scope="module")
 def faulty(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultyEngine]:
-    import vllm.envs
-
     root = tmp_path_factory.mktemp("faulty")
     stores = {"flaky": root / "flaky", "cold": root / "cold"}
     tracing = {"enabled": True, "granularity": "step"}
@@ -70,18 +65,8 @@ def faulty(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         {"name": "cold", "connector": "ExampleConnector", "config": {"shared_storage_path": str(stores["cold"])}},
     ]}
     # Spans in memory (the unreachable collector is tests/test_span_shipping.py's).
-    spans = InMemorySpanExporter()
-    set_span_exporter(spans)
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        vllm.envs.disable_envs_cache()
-        llm = start_llm(tiny_model, kv_transfer_config(load_pipeline(pipeline), pipeline), disable_log_stats=False)
-        try:
-            yield FaultyEngine(llm, stores, spans)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            set_span_exporter(None)
-    vllm.envs.disable_envs_cache()
+    with in_process_llm(tiny_model, pipeline) as (llm, spans):
+        yield FaultyEngine(llm, stores, spans)
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,11 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvcompose.config import load_pipeline
 from kvcompose.metrics.summary import summarize
-from kvcompose.render import kv_transfer_config
 from kvcompose.testing.tiny_model import prompt_words
 from kvcompose.tracing import attributes as attr
-from kvcompose.tracing import set_span_exporter
 
-from ..engine_support import generate, start_llm
+from ..engine_support import generate, in_process_llm
 from .cpu_copy_connector import install_on_import
 
 pytestmark = pytest.mark.engine
@@ -60,28 +57,17 @@ def lmcache_installed() -> None:
 def lmcache_engine(lmcache_installed: None, tiny_model: Path, plain_llm: Any,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[LMCacheEngine]:
     """``[lmcache, disk]`` under one in-process engine; started after ``plain_llm`` so no engine inherits LMCache."""
-    import vllm.envs
-
     disk = tmp_path_factory.mktemp("lmcache") / "disk"
     pipeline = {"version": 1, "name": "lmcache-then-disk", "tracing": {"enabled": True}, "children": [
         {"name": "lmcache", "connector": "LMCacheConnectorV1"},
         {"name": "disk", "connector": "ExampleConnector", "config": {"shared_storage_path": str(disk)}},
     ]}
-    spans = InMemorySpanExporter()
-    set_span_exporter(spans)
     install_on_import()
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in {**LMCACHE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
-            env.setenv(name, value)
-        vllm.envs.disable_envs_cache()
-        llm = start_llm(tiny_model, kv_transfer_config(load_pipeline(pipeline), pipeline), disable_log_stats=False)
-        try:
+    try:
+        with in_process_llm(tiny_model, pipeline, LMCACHE_ENV) as (llm, spans):
             yield LMCacheEngine(llm, disk, spans)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            set_span_exporter(None)
-            _destroy_lmcache_engine()
-    vllm.envs.disable_envs_cache()
+    finally:
+        _destroy_lmcache_engine()
 
 
 def _destroy_lmcache_engine() -> None:
