@@ -460,7 +460,10 @@ def test_a_faults_file_changes_the_faults_of_a_running_connector(
         logging.getLogger("kvcompose.fault_injection").removeHandler(log)
     refused = [line for record in log.buffer if "faults file not applied" in (line := record.getMessage())]
     assert len(refused) == 2  # once by each side, each reading the file once
-    assert all("raise: unknown operation 'wait_for_sav'; did you mean 'wait_for_save'?" in line for line in refused)
+    typo = ":1: raise: unknown operation 'wait_for_sav'; did you mean 'wait_for_save'?"  # the file's line 1
+    assert all(typo in line for line in refused)
+    _write(faults_file, "raise: {}\nraise: {}\n")  # a duplicate key: refused too
+    assert next_step_raises()
     _write(faults_file, "")  # empty: no faults
     assert not next_step_raises()
     _write(faults_file, "raise: {wait_for_save: 1.0}\n")
