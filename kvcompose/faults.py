@@ -36,7 +36,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvcompose.config import ChildConfig, LabelSafeName, did_you_mean, validation_problems
-from kvcompose.errors import PipelineConfigError
+from kvcompose.errors import PipelineConfigError, Problem
 from kvcompose.logs import get_logger
 from kvcompose.operations import CONNECTOR_OPERATIONS, HMA_OPERATIONS
 from kvcompose.source import read_pipeline_source
@@ -169,11 +169,14 @@ class FaultsFile:
         if stamp is None:
             return Faults()
         try:
-            data, _, label = read_pipeline_source(self.path)
+            document = read_pipeline_source(self.path)
+            if document.problems:
+                raise PipelineConfigError(document.problems, document.label)
             try:
-                return Faults.model_validate(data or {})
+                return Faults.model_validate(document.data or {})
             except ValidationError as error:
-                raise PipelineConfigError(validation_problems(error), label) from None
+                problems = [Problem(p.path, p.message, document.line_of(p.path)) for p in validation_problems(error)]
+                raise PipelineConfigError(problems, document.label) from None
         except PipelineConfigError as error:
             logger.error("faults file not applied; the faults stay as they were", problems=str(error))
             return None

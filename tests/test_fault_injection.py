@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import logging.handlers
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -450,16 +451,19 @@ def test_a_faults_file_changes_the_faults_of_a_running_connector(
     assert not next_step_raises()  # no file yet: no faults
     _write(faults_file, "raise: {wait_for_save: 1.0}\n")
     assert next_step_raises() and next_step_raises()
-    log = _Lines()
+    log = logging.handlers.BufferingHandler(capacity=100)
     logging.getLogger("kvcompose.fault_injection").addHandler(log)
     try:
         _write(faults_file, "raise: {wait_for_sav: 1.0}\n")  # a typo: the faults stay as they were
         assert next_step_raises()
     finally:
         logging.getLogger("kvcompose.fault_injection").removeHandler(log)
-    refused = [line for line in log.lines if "faults file not applied" in line]
+    refused = [line for record in log.buffer if "faults file not applied" in (line := record.getMessage())]
     assert len(refused) == 2  # once by each side, each reading the file once
-    assert all("raise: unknown operation 'wait_for_sav'; did you mean 'wait_for_save'?" in line for line in refused)
+    typo = ":1: raise: unknown operation 'wait_for_sav'; did you mean 'wait_for_save'?"  # the file's line 1
+    assert all(typo in line for line in refused)
+    _write(faults_file, "raise: {}\nraise: {}\n")  # a duplicate key: refused too
+    assert next_step_raises()
     _write(faults_file, "")  # empty: no faults
     assert not next_step_raises()
     _write(faults_file, "raise: {wait_for_save: 1.0}\n")
@@ -471,15 +475,6 @@ def test_a_faults_file_changes_the_faults_of_a_running_connector(
 def test_faults_and_faults_file_are_exclusive() -> None:
     path, message = _problem({"inner": INNER, "faults": {"lie": 0.1}, "faults_file": "/tmp/f.yaml"})
     assert path == () and message == "set faults or faults_file, not both"
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 # ---------------------------------------------------------------- stats and metrics of the inner connector
