@@ -54,10 +54,18 @@ def vllm_config_with(base_vllm_config: Any) -> Callable[[dict[str, Any]], Any]:
 
 @pytest.fixture(scope="session")
 def plain_llm(tiny_model: Path) -> Any:
-    """An engine without any connector: the reference output."""
+    """An engine without any connector: the reference output. Its engine core runs in a process of
+    its own whatever the test that first asks for it set: an in-process engine's shutdown tears down
+    vLLM's parallel state in this process, which an in-process reference engine would need."""
+    import vllm.envs
+
     from .engine_support import start_llm
 
-    llm = start_llm(tiny_model)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        vllm.envs.disable_envs_cache()
+        llm = start_llm(tiny_model)
+    vllm.envs.disable_envs_cache()
     yield llm
     llm.llm_engine.engine_core.shutdown()
 

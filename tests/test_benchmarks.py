@@ -57,9 +57,9 @@ def test_traced_subjects_make_spans_in_their_bound_step() -> None:
     save = hot_path.OPERATIONS["wait_for_save"][1]
     load = hot_path.OPERATIONS["start_load_kv"][1]
     layer = hot_path.OPERATIONS["save_kv_layer"][1]
-    assert spans_of("kvc_request", save) == {"kvcompose.save"}
-    assert spans_of("kvc_request", load) == {"kvcompose.load"}
-    assert spans_of("kvc_step", save) == {"kvcompose.save", "kvcompose.wait_for_save"}
+    assert spans_of("kvc_request", save) == {"kvcompose.save", "kvcompose.transfer"}  # the saves end with the wait
+    assert spans_of("kvc_request", load) == {"kvcompose.load"}  # a sync load ends with the step
+    assert spans_of("kvc_step", save) == {"kvcompose.save", "kvcompose.wait_for_save", "kvcompose.transfer"}
     assert spans_of("kvc_step", layer) == set()
     assert spans_of("kvc_layer", layer) == {"kvcompose.save_kv_layer"}
     assert spans_of("kvc_off", save) == set()

@@ -246,16 +246,17 @@ def test_one_trace_holds_both_servers_spans(pd_pair: DisaggregatedPair, otlp_rec
     assert sum(s.name == "llm_request" for s in spans) == 2  # vLLM's own span on each server
     assert len({s.span_id for s in spans}) == len(spans)  # ids stay apart across the two servers
 
-    def nixl_transfer(service: str) -> Any:
-        (span,) = [s for s in spans if s.service == service and s.name == "kvcompose.transfer"
-                   and s.attributes["kvcompose.connector.name"] == "nixl"]
-        return span
+    def nixl_transfers(service: str) -> list[Any]:
+        return [s for s in spans if s.service == service and s.name == "kvcompose.transfer"
+                and s.attributes["kvcompose.connector.name"] == "nixl"]
 
-    sent, received = nixl_transfer("kvcompose-prefill"), nixl_transfer("kvcompose-decode")
-    assert (sent.attributes["kvcompose.transfer.direction"], sent.attributes["kvcompose.transfer.outcome"]) == (
-        "save", "ok")
-    assert (received.attributes["kvcompose.transfer.direction"],
-            received.attributes["kvcompose.transfer.outcome"]) == ("load", "ok")
+    def described(transfers: list[Any]) -> list[tuple[str, str]]:
+        return [(s.attributes["kvcompose.transfer.direction"], s.attributes["kvcompose.transfer.outcome"])
+                for s in transfers]
+
+    assert described(nixl_transfers("kvcompose-prefill")) == [("save", "ok")]  # the send
+    assert described(nixl_transfers("kvcompose-decode")) == [("load", "ok")]  # the receive
+    (sent,), (received,) = nixl_transfers("kvcompose-prefill"), nixl_transfers("kvcompose-decode")
     assert sent.duration_ns > 0 and received.duration_ns > 0
     # The decode side's bytes are NIXL's own count for this request.
     nixl_bytes = _settled(pd_pair.decode, lambda metrics: _total(

@@ -322,10 +322,10 @@ def offload_llm(tiny_model: Path, offload_dirs: dict[str, Path]) -> Iterator[Any
 
     from .engine_support import start_llm
 
-    raw, _, _ = read_pipeline_source(EXAMPLE)
-    pipeline = interpolate_env(raw, {"KVCOMPOSE_OFFLOAD_BYTES": str(BUDGET),
-                                     "KVCOMPOSE_OFFLOAD_DIR": str(offload_dirs["host"]),
-                                     "KVCOMPOSE_DISK": str(offload_dirs["disk"])})
+    pipeline, problems = interpolate_env(read_pipeline_source(EXAMPLE).data, {
+        "KVCOMPOSE_OFFLOAD_BYTES": str(BUDGET), "KVCOMPOSE_OFFLOAD_DIR": str(offload_dirs["host"]),
+        "KVCOMPOSE_DISK": str(offload_dirs["disk"])})
+    assert not problems, problems
     llm = start_llm(tiny_model, kv_transfer_config(load_pipeline(pipeline), pipeline), disable_log_stats=False)
     yield llm
     llm.llm_engine.engine_core.shutdown()
