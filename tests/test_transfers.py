@@ -132,3 +132,18 @@ def test_a_failed_load_is_a_failed_transfer(vllm_config_with: Callable, exporter
     failed = next(span for span in transfers if span.attributes[attr.TRANSFER_OUTCOME] == "failed")
     assert failed.attributes[attr.ERROR_TYPE] == "kvcompose.testing.recording.ScriptedFailure"  # the cause
     assert worker.request_state_sizes() == {}
+
+
+def test_each_kind_of_child_is_tracked_by_how_it_reports_completion() -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvcompose.connectors.transfers import completion_mode
+
+    def mode(connector: str) -> str:
+        config = KVTransferConfig(kv_connector=connector, kv_role="kv_both")
+        return completion_mode(KVConnectorFactory.get_connector_class(config))
+
+    # NixlConnector resolves to a subclass of another name (NixlPullConnector on vLLM 0.32).
+    assert (mode("NixlConnector"), mode("OffloadingConnector"), mode("ExampleConnector")) == (
+        "finish", "jobs", "sync")

@@ -53,7 +53,8 @@ _EXPIRY_CHECK_S = 1.0
 # How a child reports completion, by its class (or a base class) name.
 _MODES: dict[str, Mode] = {
     "OffloadingConnector": "jobs",
-    "NixlConnector": "finish",
+    "NixlBaseConnector": "finish",  # vLLM 0.32-0.33: "NixlConnector" resolves to NixlPullConnector, a subclass
+    "NixlConnector": "finish",  # vLLM 0.30-0.31
 }
 
 
