@@ -249,7 +249,8 @@ class TransferTracker:
             if not isinstance(req_id, str):
                 continue
             engine_side = getattr(job, "dst_spec" if direction == "load" else "src_spec", None)  # the engine's blocks
-            blocks = len(getattr(engine_side, "block_ids", None) or ())
+            block_ids = getattr(engine_side, "block_ids", None)  # a numpy array in vLLM 0.32: no truth value
+            blocks = len(block_ids) if block_ids is not None else 0
             self._open[(child, str(job_id), direction)] = self._start(child, direction, req_id, blocks)
 
     def _start(self, child: int, direction: Literal["load", "save"], req_id: str, blocks: int) -> _Transfer:
