@@ -321,3 +321,29 @@ def test_children_shut_down_when_the_tracer_fails_to_close(
     with pytest.raises(RuntimeError, match="collector gone"):
         scheduler.shutdown()
     assert _calls("hot", "shutdown") == _calls("cold", "shutdown") == 1
+
+
+def test_a_worker_circuit_turns_half_open_only_when_a_step_starts() -> None:
+    """Mid-step, a child whose circuit was open has not been given the step's metadata: its probe would
+    fail for that alone (the real-engine breaker test caught it), so the worker probes after a bind."""
+    from kvcompose.config import ChildConfig
+    from kvcompose.connectors.isolation import ChildGuard
+
+    guard = ChildGuard(ChildConfig(name="hot", connector="ExampleConnector",
+                                   circuit_breaker={"failures": 1, "cooldown_s": 0.05}))
+    guard.half_open_at_step_start = True
+    calls: list[int] = []
+
+    def start_load_kv(step: int) -> None:
+        calls.append(step)
+        if step == 1:
+            raise OSError("tier down")
+
+    guarded = guard.wrap("start_load_kv", start_load_kv)
+    guarded(1)  # fails: the circuit opens
+    time.sleep(0.06)
+    guarded(2)  # the cool-down has passed, but mid-step: still skipped
+    assert (calls, guard.state) == ([1], BreakerState.OPEN)
+    guard.step_started()  # the next step binds its metadata first
+    guarded(3)  # the probe succeeds
+    assert (calls, guard.state) == ([1, 3], BreakerState.CLOSED)

@@ -104,6 +104,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._tracing = pipeline_tracer(self.pipeline, role.name.lower())
         self._guards = [ChildGuard(child, self._breaker_changed, self._recorder.count_isolated_error)
                         for child in self.pipeline.children]
+        for guard in self._guards:
+            guard.half_open_at_step_start = role is KVConnectorRole.WORKER
         self.children = [
             Child(spec, construct_child(spec, role, kv_cache_config), self._wrap_child_call)
             for spec in child_specs(vllm_config, self.pipeline)
@@ -246,6 +248,8 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(connector_metadata, KVComposeMetadata)
+        for guard in self._guards:
+            guard.step_started()
         self._tracing.begin_step(connector_metadata.traced_requests, connector_metadata.loads)
         if (transfers := self._transfers) is not None:
             transfers.begin_step(connector_metadata)

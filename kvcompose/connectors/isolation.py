@@ -148,6 +148,9 @@ class ChildGuard:
         # compares the count around a call to mark its span.
         self.failures = 0
         self.last_error_type = ""
+        # Worker side: an open circuit turns half open only when a step starts (step_started), so the
+        # child is given that step's metadata before its probe; mid-step, its probe would find none.
+        self.half_open_at_step_start = False
         self._reporting_layer_calls: dict[str, Callable[..., Any]] = {}  # see layer_call
 
     # ---- wrapping child calls (once, at start-up) ----
@@ -256,10 +259,16 @@ class ChildGuard:
     def _cooled_down(self) -> bool:
         """True once an open circuit's cool-down has passed; it is then half open."""
         if self.state is BreakerState.OPEN:
-            if monotonic() < self._open_until:
+            if self.half_open_at_step_start or monotonic() < self._open_until:
                 return False
             self._set_state(BreakerState.HALF_OPEN)
         return True
+
+    def step_started(self) -> None:
+        """Worker side, before the step's metadata is bound: an open circuit whose cool-down has passed
+        turns half open now."""
+        if self.state is BreakerState.OPEN and monotonic() >= self._open_until:
+            self._set_state(BreakerState.HALF_OPEN)
 
     def _skipped(self, fallback: Callable[[], Any]) -> Any:
         self.failures += 1
