@@ -16,6 +16,7 @@ collector makes it drop and count, never grow. When the engine closes the ring
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -96,6 +97,8 @@ def main() -> None:
     from kvcompose.tracing.records import resource_for, to_readable_spans
 
     ring = Ring.attach(sys.argv[1])
+    with contextlib.suppress(OSError):  # both sides have it mapped: no file is left if the engine dies
+        os.unlink(sys.argv[1])
     engine = os.getppid()
     settings: dict[str, Any] | None = None
     exporting: _Exporting | None = None
