@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
@@ -33,8 +34,14 @@ BREAKER = {"failures": 3, "cooldown_s": 0.5}
 
 
 class FaultyEngine:
-    def __init__(self, llm: Any, stores: dict[str, Path], spans: InMemorySpanExporter) -> None:
-        self.llm, self.stores, self.spans = llm, stores, spans
+    def __init__(self, llm: Any, stores: dict[str, Path], spans: InMemorySpanExporter, faults_file: Path) -> None:
+        self.llm, self.stores, self.spans, self.faults_file = llm, stores, spans, faults_file
+
+    def inject(self, faults: dict[str, Any]) -> None:
+        """Change the flaky tier's faults, in place for the running engine (written aside, renamed over)."""
+        staged = self.faults_file.with_suffix(".next")
+        staged.write_text(yaml.safe_dump(faults))
+        staged.replace(self.faults_file)
 
     @property
     def scheduler_side(self) -> Any:
@@ -56,17 +63,19 @@ class FaultyEngine:
 def faulty(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultyEngine]:
     root = tmp_path_factory.mktemp("faulty")
     stores = {"flaky": root / "flaky", "cold": root / "cold"}
+    faults_file = root / "faults.yaml"
+    faults_file.write_text(yaml.safe_dump(FAULTS))
     tracing = {"enabled": True, "granularity": "step"}
     pipeline = {"version": 1, "name": "faulty", "tracing": tracing, "children": [
         {"name": "flaky", "connector": "FaultInjectionConnector", "module_path": "kvcompose.connectors",
          "circuit_breaker": BREAKER,
-         "config": {"seed": 5, "faults": FAULTS, "inner": {
+         "config": {"seed": 5, "faults_file": str(faults_file), "inner": {
              "connector": "ExampleConnector", "config": {"shared_storage_path": str(stores["flaky"])}}}},
         {"name": "cold", "connector": "ExampleConnector", "config": {"shared_storage_path": str(stores["cold"])}},
     ]}
     # Spans in memory (the unreachable collector is tests/test_span_shipping.py's).
     with in_process_llm(tiny_model, pipeline) as (llm, spans):
-        yield FaultyEngine(llm, stores, spans)
+        yield FaultyEngine(llm, stores, spans, faults_file)
 
 
 @pytest.fixture(scope="module")
@@ -107,20 +116,30 @@ class _Lines(logging.Handler):
 
 
 def test_the_circuit_breaker_opens_and_closes_again(faulty: FaultyEngine, expected: list[list[int]]) -> None:
+    """The breaker opens under the faults, and once the tier recovers its probe closes the circuit."""
     log = _Lines()
     logging.getLogger(ROOT_LOGGER).addHandler(log)
+
+    def transitions() -> set[str]:
+        return {state for line in log.lines if "circuit breaker" in line
+                for state in ("open", "half_open", "closed") if f"state={state}" in line}
+
     try:
-        transitions: set[str] = set()
-        for _ in range(6):  # the faults are random draws: give the breaker a few rounds to flap
+        for _ in range(6):  # the faults are seeded draws: give the breaker a few rounds to open
             assert [tokens for tokens, _ in generate(faulty.llm, PROMPTS)] == expected
-            transitions = {state for line in log.lines if "circuit breaker" in line
-                           for state in ("open", "half_open", "closed") if f"state={state}" in line}
-            if transitions == {"open", "half_open", "closed"}:
+            if "open" in transitions():
                 break
+        assert "open" in transitions()
+        faulty.inject({})  # the tier recovers
+        for _ in range(6):  # after the cool-down, a probe goes through, succeeds and closes the circuit
             time.sleep(BREAKER["cooldown_s"])
+            assert [tokens for tokens, _ in generate(faulty.llm, PROMPTS)] == expected
+            if transitions() == {"open", "half_open", "closed"}:
+                break
     finally:
+        faulty.inject(FAULTS)
         logging.getLogger(ROOT_LOGGER).removeHandler(log)
-    assert transitions == {"open", "half_open", "closed"}
+    assert transitions() == {"open", "half_open", "closed"}
     assert faulty.metrics()["flaky"].breaker_opens > 0
     events = {event.attributes["state"] for span in faulty.spans.get_finished_spans() for event in span.events
               if event.name == "kvcompose.circuit_breaker"}
