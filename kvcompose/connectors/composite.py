@@ -401,8 +401,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         if not (self.pipeline.metrics.enabled and self.pipeline.tracing.enabled):
             return None
         dropped, queued = self._tracing.telemetry()
-        counters = TelemetryCounters(dropped, queued)
-        return None if not dropped and not queued else counters
+        return TelemetryCounters(dropped, queued) if dropped or queued else None
 
     # ==============================
     # Scheduler-side methods

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from time import monotonic, time_ns
+from time import time_ns
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvcompose.logs import get_logger
@@ -48,7 +48,8 @@ logger = get_logger("transfers")
 Mode = Literal["sync", "finish", "jobs"]
 EXPIRY_S = 600.0  # an open transfer older than this ends as aborted
 FAILED_TRANSFER = "kvcompose.transfer_failed"  # error.type of a failure the child reported without raising
-_EXPIRY_CHECK_S = 1.0
+_EXPIRY_NS = int(EXPIRY_S * 1e9)
+_EXPIRY_CHECK_NS = 1_000_000_000
 
 # How a child reports completion, by its class (or a base class) name.
 _MODES: dict[str, Mode] = {
@@ -107,7 +108,6 @@ class _Transfer:
     req_id: str
     blocks: int
     start_ns: int
-    started: float  # monotonic, for expiry
     context: SpanContextIds | None
     aborted: bool = False
 
@@ -133,7 +133,7 @@ class TransferTracker:
         self._load_error_blocks: set[int] = set()
         self._step_load_blocks: dict[str, tuple[int, ...]] = {}
         self._open: dict[tuple[int, str, str], _Transfer] = {}  # (child, request or job id, direction)
-        self._next_expiry_check = 0.0
+        self._next_expiry_check = 0
 
     # ---- the step ----
 
@@ -175,7 +175,8 @@ class TransferTracker:
         self._step_saves = []
 
     def saves_skipped(self) -> None:
-        """The composite stopped this step's layer saves (a load failed): its sync saves are aborted."""
+        """This step's sync saves will not complete (a load failed and the composite stopped the layer
+        saves, or the step ended without a wait_for_save): they are aborted."""
         end = time_ns()
         for transfer in self._step_saves:
             self._end(transfer, end, "aborted")
@@ -190,9 +191,8 @@ class TransferTracker:
             failed = self._failed_this_step(transfer.child) or not self._load_error_blocks.isdisjoint(
                 self._step_load_blocks.get(transfer.req_id, ()))
             self._end(transfer, end, "failed" if failed else "ok")
-        for transfer in self._step_saves:  # no wait_for_save this step
-            self._end(transfer, end, "aborted")
-        self._step_loads, self._step_saves, self._step_load_blocks = [], [], {}
+        self.saves_skipped()  # saves left open: the step had no wait_for_save
+        self._step_loads, self._step_load_blocks = [], {}
         self._load_end_ns = 0
         self._load_error_blocks = set()
         self._expire()
@@ -255,7 +255,7 @@ class TransferTracker:
 
     def _start(self, child: int, direction: Literal["load", "save"], req_id: str, blocks: int) -> _Transfer:
         self._recorder.started(child, direction)
-        return _Transfer(child, direction, req_id, blocks, time_ns(), monotonic(), self._tracer.request_context(req_id))
+        return _Transfer(child, direction, req_id, blocks, time_ns(), self._tracer.request_context(req_id))
 
     def _end(self, transfer: _Transfer, end_ns: int, outcome: Literal["ok", "failed", "aborted"]) -> None:
         nbytes = transfer.blocks * self._block_bytes
@@ -280,12 +280,12 @@ class TransferTracker:
             self._end(self._open.pop(key), end, outcome)
 
     def _expire(self) -> None:
-        now = monotonic()
+        now = time_ns()
         if not self._open or now < self._next_expiry_check:
             return
-        self._next_expiry_check = now + _EXPIRY_CHECK_S
-        expired = [key for key, transfer in self._open.items() if now - transfer.started > EXPIRY_S]
+        self._next_expiry_check = now + _EXPIRY_CHECK_NS
+        expired = [key for key, transfer in self._open.items() if now - transfer.start_ns > _EXPIRY_NS]
         for key in expired:
-            self._end(self._open.pop(key), time_ns(), "aborted")
+            self._end(self._open.pop(key), now, "aborted")
         if expired:
             logger.warning("transfers expired without completing", transfers=len(expired), expiry_s=EXPIRY_S)
