@@ -51,6 +51,26 @@ def test_the_exporter_process_exports_records_as_spans_with_their_ids() -> None:
             for span in received} == {("kvcompose.lookup", "r1", "hot")}
 
 
+def test_a_shipper_closed_and_used_again_ships_its_templates_to_the_new_exporter() -> None:
+    """Two composites of one pipeline in one process share a shipper; when the first one
+    shuts down, the second one's next batch starts a new exporter process, which must be
+    told every template again (it once died on the first record of a known template)."""
+    receiver = start_receiver()
+    try:
+        shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
+        first, second = IDS.trace_id(), IDS.trace_id()
+        shipper.ship(_records(shipper, 2, first))
+        shipper.close()
+        shipper.ship(_records(shipper, 3, second))
+        shipper.close()
+        received = receiver.received()
+    finally:
+        receiver.stop()
+
+    by_trace = sorted(span.trace_id for span in received)
+    assert by_trace == sorted([format(first, "032x")] * 2 + [format(second, "032x")] * 3)
+
+
 def test_a_collector_outage_drops_and_counts_with_bounded_memory() -> None:
     with socket.socket() as probe:  # a port with nothing listening
         probe.bind(("127.0.0.1", 0))

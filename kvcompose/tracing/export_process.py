@@ -47,11 +47,12 @@ class _Exporting:
         self._thread = threading.Thread(target=self._run, name="kvcompose-export", daemon=True)
         self._thread.start()
 
-    def add(self, spans: list[Any]) -> None:
+    def add(self, spans: list[Any], unreadable: int = 0) -> None:
+        """Queue what fits; count the rest, and ``unreadable`` records, as dropped."""
         with self._lock:
             room = MAX_QUEUED_SPANS - len(self._queue)
             self._queue.extend(spans[:room])
-            self.dropped += max(0, len(spans) - room)
+            self.dropped += max(0, len(spans) - room) + unreadable
             if len(self._queue) >= EXPORT_BATCH:
                 self._wake.set()
 
@@ -116,7 +117,8 @@ def main() -> None:
             elif frame[0] == TEMPLATES_FRAME:
                 templates += frame[1]
             elif exporting is not None:
-                exporting.add(to_readable_spans(frame[1], templates, resource, settings["version"]))
+                spans = to_readable_spans(frame[1], templates, resource, settings["version"])
+                exporting.add(spans, unreadable=len(frame[1]) - len(spans))
         if exporting is not None:
             ring.set_counter(DROPPED, exporting.dropped)
             ring.set_counter(QUEUED, exporting.queued)

@@ -77,6 +77,10 @@ class Templates:
     def mark_shipped(self) -> None:
         self._shipped = len(self.all)
 
+    def mark_unshipped(self) -> None:
+        """A new exporter starts knowing no template: ship every one again."""
+        self._shipped = 0
+
 
 class IdSource:
     """Span and trace ids from a generator seeded by the OS.
@@ -128,12 +132,15 @@ def resource_for(service_name: str) -> Resource:
 def to_readable_spans(
     records: Iterable[Sequence[Any]], templates: Sequence[Sequence[Any]], resource: Resource, version: str
 ) -> list[ReadableSpan]:
-    """SDK spans of the records, ready for any ``SpanExporter``."""
+    """SDK spans of the records, ready for any ``SpanExporter``; a record of a template not
+    (yet) known is left out."""
     scope = InstrumentationScope(SCOPE_NAME, version)
     sampled = TraceFlags(TraceFlags.SAMPLED)
     spans = []
     for fields in records:
         record = SpanRecord(*fields)
+        if record.template >= len(templates):
+            continue
         template = SpanTemplate(*templates[record.template])
         attributes = dict(template.attributes)
         if record.request_id is not None:

@@ -107,6 +107,7 @@ class ProcessShipper:
     def _start(self) -> None:
         self._ring = Ring.create(_SHARED_MEMORY if os.path.isdir(_SHARED_MEMORY) else tempfile.gettempdir())
         self._ring.append(self._settings)
+        self.templates.mark_unshipped()  # after close(), this is a new exporter: it knows none
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         self._process = subprocess.Popen(
