@@ -1,58 +1,185 @@
-"""The operations of vLLM's KVConnectorBase_V1 (0.30-0.33), named without importing vLLM."""
+"""Every operation of vLLM's KVConnectorBase_V1 (0.30-0.33), and what kvcompose does with each.
 
-# Every instance method a connector answers, scheduler and worker side.
-CONNECTOR_OPERATIONS: tuple[str, ...] = (
-    # scheduler side
-    "get_num_new_matched_tokens",
-    "get_external_cache_hit_sources",
-    "get_loaded_kv_cache_group_ids",
-    "update_state_after_alloc",
-    "on_new_request",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "request_finished_all_groups",
-    "register_finished_partial_tail",
-    "take_events",
-    "has_pending_block_frees",
-    "has_pending_push_work",
-    "bind_kv_cache_manager",
-    "bind_gpu_block_pool",
-    "set_xfer_handshake_metadata",
-    "set_xfer_handshake_metadata_pp_aware",
-    "reset_cache",
-    "get_kv_connector_stats",
-    # worker side
-    "register_kv_caches",
-    "set_host_xfer_buffer_ops",
-    "get_mem_pool_context",
-    "bind_connector_metadata",
-    "clear_connector_metadata",
-    "handle_preemptions",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "finish_forward",
-    "reset_capture_state",
-    "get_finished",
-    "get_transfer_results",
-    "get_block_ids_with_load_errors",
-    "get_finished_count",
-    "get_handshake_metadata",
-    "build_connector_worker_meta",
-    "get_kv_connector_kv_cache_events",
-    # both
-    "shutdown",
-    # sleep mode (vLLM 0.33+), worker side
-    "unregister_kv_caches",
-    "restore_kv_caches",
+One :class:`Operation` per connector method: the composite, error isolation,
+metrics and tracing all read these declarations, and nothing else, to decide
+how a child's call is made, isolated, timed and traced. Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvcompose.tracing import attributes as attr
+
+
+class Failed(enum.Enum):
+    """The answer of an isolated call the composite must repair (a load that will not happen, ...)."""
+
+    FAILED = "FAILED"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+FAILED: Final = Failed.FAILED
+
+
+class Side(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+    BOTH = "both"
+
+
+class Granularity(enum.Enum):
+    """How often vLLM makes the call."""
+
+    REQUEST = "request"  # scheduler side, about one request (its first argument)
+    STEP = "step"  # once per engine step
+    LAYER = "layer"  # once per layer per step
+    STARTUP = "startup"  # once, while the engine starts: never isolated
+    OCCASIONAL = "occasional"  # on demand (cache reset, sleep, shutdown)
+
+
+Describe = Callable[[tuple[Any, ...], Any], tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class Operation:
+    """A connector method, as kvcompose treats it."""
+
+    name: str
+    side: Side
+    granularity: Granularity
+    # The ``op`` label of its latency histogram and the suffix of its span name; None: not timed.
+    # Per-layer operations are timed only with ``metrics.per_layer``.
+    label: str | None = None
+    traced: bool = False  # a span per call, in its request's trace or its step's (layer: at layer granularity)
+    # Finds, loads or saves KV: its failures drive the circuit breaker, and the composite's own loops
+    # isolate it (see kvcompose.connectors.isolation).
+    data_path: bool = False
+    fallback: Callable[[], Any] | None = None  # what an isolated failure answers; None: never isolated
+    iterated: bool = False  # its result may be a generator, iterated (and isolated) after the call
+    attributes: tuple[str, ...] = ()  # span attributes its arguments and result give
+    describe: Describe | None = None  # (args, result) -> values of ``attributes`` (a None value is left out)
+    forwarded: bool = True  # the composite calls it on its children
+    hma_only: bool = False  # only connectors that support the hybrid KV cache manager have it
+
+    @property
+    def span_name(self) -> str:
+        return attr.span_name(self.label or self.name)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _failed() -> Failed:
+    return FAILED
+
+
+def _lookup(args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
+    tokens, load_async = result
+    return args[1], bool(load_async), tokens  # tokens None: the child is still looking
+
+
+def _after_alloc(args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
+    return (args[2],)
+
+
+def _finished(args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
+    return len(args[1]), bool(result[0])
+
+
+def _finished_all_groups(args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
+    return sum(len(group) for group in args[1]), bool(result[0])
+
+
+def _transfer_results(args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
+    return len(result.finished_sending), len(result.finished_recving)
+
+
+def _load_errors(args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
+    return (len(result),)
+
+
+def _layer(args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
+    return (args[0],)
+
+
+_S, _W, _BOTH = Side.SCHEDULER, Side.WORKER, Side.BOTH
+_REQUEST, _STEP, _LAYER = Granularity.REQUEST, Granularity.STEP, Granularity.LAYER
+_STARTUP, _OCCASIONAL = Granularity.STARTUP, Granularity.OCCASIONAL
+_FINISHED = (attr.BLOCKS, attr.SAVE_ASYNC)
+
+_DECLARED: tuple[Operation, ...] = (
+    # ---- scheduler side ----
+    Operation("get_num_new_matched_tokens", _S, _REQUEST, "lookup", traced=True, data_path=True,
+              fallback=lambda: (0, False), attributes=(attr.COMPUTED_TOKENS, attr.LOAD_ASYNC, attr.MATCHED_TOKENS),
+              describe=_lookup),
+    Operation("get_external_cache_hit_sources", _S, _REQUEST, traced=True, fallback=dict),
+    Operation("get_loaded_kv_cache_group_ids", _S, _REQUEST, traced=True),
+    Operation("update_state_after_alloc", _S, _REQUEST, "update_state_after_alloc", traced=True, data_path=True,
+              fallback=_failed, attributes=(attr.EXTERNAL_TOKENS,), describe=_after_alloc),
+    Operation("on_new_request", _S, _REQUEST, traced=True, fallback=_nothing),
+    Operation("build_connector_meta", _S, _STEP, "build_connector_meta", fallback=_failed),
+    Operation("update_connector_output", _S, _STEP, fallback=_nothing),
+    Operation("request_finished", _S, _REQUEST, "request_finished", traced=True, data_path=True,
+              fallback=lambda: (False, None), attributes=_FINISHED, describe=_finished),
+    Operation("request_finished_all_groups", _S, _REQUEST, "request_finished", traced=True, data_path=True,
+              fallback=lambda: (False, None), attributes=_FINISHED, describe=_finished_all_groups, hma_only=True),
+    Operation("register_finished_partial_tail", _S, _REQUEST, traced=True),
+    Operation("take_events", _S, _STEP, fallback=tuple, iterated=True),
+    Operation("has_pending_block_frees", _S, _STEP, fallback=lambda: False),
+    Operation("has_pending_push_work", _S, _STEP, fallback=lambda: False),
+    Operation("bind_kv_cache_manager", _S, _STARTUP),
+    Operation("bind_gpu_block_pool", _S, _STARTUP),
+    Operation("set_xfer_handshake_metadata", _S, _STARTUP),
+    Operation("set_xfer_handshake_metadata_pp_aware", _S, _STARTUP),
+    Operation("reset_cache", _S, _OCCASIONAL, fallback=lambda: False),
+    Operation("get_kv_connector_stats", _BOTH, _STEP, fallback=_nothing),
+    # ---- worker side ----
+    Operation("register_kv_caches", _W, _STARTUP),
+    Operation("set_host_xfer_buffer_ops", _W, _STARTUP),
+    Operation("get_mem_pool_context", _W, _STARTUP),
+    Operation("bind_connector_metadata", _W, _STEP, fallback=_failed),
+    Operation("clear_connector_metadata", _W, _STEP, fallback=_nothing),
+    Operation("handle_preemptions", _W, _STEP, fallback=_nothing),
+    Operation("start_load_kv", _W, _STEP, "start_load_kv", traced=True, data_path=True, fallback=_failed),
+    Operation("wait_for_layer_load", _W, _LAYER, "wait_for_layer_load", traced=True, data_path=True,
+              fallback=_nothing, attributes=(attr.LAYER,), describe=_layer),
+    Operation("save_kv_layer", _W, _LAYER, "save_kv_layer", traced=True, data_path=True, fallback=_nothing,
+              attributes=(attr.LAYER,), describe=_layer),
+    Operation("wait_for_save", _W, _STEP, "wait_for_save", traced=True, data_path=True, fallback=_nothing),
+    Operation("finish_forward", _W, _STEP, fallback=_nothing),
+    Operation("reset_capture_state", _W, _STEP),
+    # The composite asks get_transfer_results; get_finished is its older form.
+    Operation("get_finished", _W, _STEP, forwarded=False),
+    Operation("get_transfer_results", _W, _STEP, "get_transfer_results", traced=True, data_path=True,
+              fallback=_failed, attributes=(attr.FINISHED_SENDING, attr.FINISHED_RECVING),
+              describe=_transfer_results),
+    Operation("get_block_ids_with_load_errors", _W, _STEP, "get_block_ids_with_load_errors", traced=True,
+              data_path=True, fallback=_failed, attributes=(attr.BLOCKS,), describe=_load_errors),
+    Operation("get_finished_count", _W, _STARTUP),
+    Operation("get_handshake_metadata", _W, _STARTUP),
+    Operation("build_connector_worker_meta", _W, _STEP, fallback=_nothing),
+    # Like MultiConnector, the composite does not aggregate the children's differently typed events.
+    Operation("get_kv_connector_kv_cache_events", _W, _STEP, forwarded=False),
+    # ---- both ----
+    Operation("shutdown", _BOTH, _OCCASIONAL),
+    # ---- sleep mode (vLLM 0.33+), worker side ----
+    Operation("unregister_kv_caches", _W, _OCCASIONAL),
+    Operation("restore_kv_caches", _W, _OCCASIONAL),
 )
 
-# What the composite never calls on a child: it asks get_transfer_results
-# (get_finished is its older form), and like MultiConnector it does not
-# aggregate the children's differently typed KV cache events.
-NOT_FORWARDED_TO_CHILDREN = frozenset({"get_finished", "get_kv_connector_kv_cache_events"})
+OPERATIONS: Final[dict[str, Operation]] = {operation.name: operation for operation in _DECLARED}
 
-# Only connectors that support the hybrid KV cache manager (SupportsHMA) have these.
-HMA_OPERATIONS = frozenset({"request_finished_all_groups"})
+# Every instance method a connector answers, scheduler and worker side.
+CONNECTOR_OPERATIONS: Final = tuple(OPERATIONS)
+# Every child method the composite calls.
+CHILD_OPERATIONS: Final = tuple(operation.name for operation in _DECLARED if operation.forwarded)
+HMA_OPERATIONS: Final = frozenset(operation.name for operation in _DECLARED if operation.hma_only)
+# The ``op`` labels of the latency histograms, in a fixed order (it is part of the stats' wire format).
+TIMED_LABELS: Final = tuple(dict.fromkeys(operation.label for operation in _DECLARED if operation.label))

@@ -147,6 +147,17 @@ def test_circuit_opens_skips_the_child_then_probes_and_closes(vllm_config_with: 
     assert "hot" not in scheduler.get_kv_connector_stats().breakers  # closed and unchanged: not reported
 
 
+def test_an_open_circuit_still_lets_calls_that_are_never_isolated_through(vllm_config_with: Callable) -> None:
+    """Shutdown (and the start-up calls) are never isolated, so never skipped: the chaos matrix caught an
+    open circuit refusing a child its shutdown."""
+    scheduler, _ = _pair(vllm_config_with, {"hot": {"raises": ["get_num_new_matched_tokens"]}, "cold": {}},
+                         circuit_breaker={"failures": 1, "cooldown_s": 60})
+    scheduler.get_num_new_matched_tokens(make_request("a"), 0)
+    assert scheduler.get_kv_connector_stats().breakers["hot"]["state"] == BreakerState.OPEN
+    scheduler.shutdown()
+    assert _calls("hot", "shutdown") == _calls("cold", "shutdown") == 1
+
+
 def test_a_failed_probe_opens_the_circuit_again(vllm_config_with: Callable) -> None:
     # A cool-down far longer than two calls take on a loaded machine: "c" must come before it ends.
     breaker = {"failures": 1, "cooldown_s": 1.0}
@@ -328,10 +339,9 @@ def test_a_worker_circuit_turns_half_open_only_when_a_step_starts() -> None:
     fail for that alone (the real-engine breaker test caught it), so the worker probes after a bind."""
     from kvcompose.config import ChildConfig
     from kvcompose.connectors.isolation import ChildGuard
+    from kvcompose.operations import OPERATIONS
 
-    guard = ChildGuard(ChildConfig(name="hot", connector="ExampleConnector",
-                                   circuit_breaker={"failures": 1, "cooldown_s": 0.05}))
-    guard.half_open_at_step_start = True
+    start_load = OPERATIONS["start_load_kv"]
     calls: list[int] = []
 
     def start_load_kv(step: int) -> None:
@@ -339,7 +349,22 @@ def test_a_worker_circuit_turns_half_open_only_when_a_step_starts() -> None:
         if step == 1:
             raise OSError("tier down")
 
-    guarded = guard.wrap("start_load_kv", start_load_kv)
+    bound: dict[str, Callable[[int], None]] = {}
+
+    def bind(guard: ChildGuard, state_changed: bool) -> None:  # what the composite does on a change
+        bound["start_load_kv"] = guard.gate(start_load, start_load_kv)
+
+    guard = ChildGuard(ChildConfig(name="hot", connector="ExampleConnector",
+                                   circuit_breaker={"failures": 1, "cooldown_s": 0.05}), on_change=bind)
+    guard.half_open_at_step_start = True
+    bind(guard, False)
+
+    def guarded(step: int) -> None:  # as the composite's loop makes the call
+        try:
+            bound["start_load_kv"](step)
+        except Exception as error:
+            guard.answer(start_load, error)
+
     guarded(1)  # fails: the circuit opens
     time.sleep(0.06)
     guarded(2)  # the cool-down has passed, but mid-step: still skipped

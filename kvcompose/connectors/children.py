@@ -14,10 +14,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvcompose.compat import check_name_lookups
 from kvcompose.config import ChildConfig, KVRole, Pipeline, load_pipeline
 from kvcompose.metrics.native import class_path
-from kvcompose.operations import CONNECTOR_OPERATIONS, NOT_FORWARDED_TO_CHILDREN
+from kvcompose.operations import CHILD_OPERATIONS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from kvcompose.connectors.isolation import ChildGuard
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 PIPELINE_KEY = "pipeline"
@@ -128,32 +130,37 @@ def _describe_failure(child: ChildConfig, index: int, error: Exception) -> str:
 CallWrapper = Callable[[ChildSpec, str, Callable[..., Any]], Callable[..., Any]]
 
 
-# Every child method the composite calls. Each is reached as ``child.<name>``,
-# so observability (timing, spans) and error isolation can wrap any of them
-# once, at start-up, without touching the forwarding logic.
-CHILD_OPERATIONS: tuple[str, ...] = tuple(op for op in CONNECTOR_OPERATIONS if op not in NOT_FORWARDED_TO_CHILDREN)
-
-
 class Child:
     """A constructed child connector and the calls the composite makes into it.
 
-    ``child.<operation>(...)`` is the child's bound method, or that method
-    wrapped once by the ``wrap`` hook. Operations the child's class does not
-    define (``request_finished_all_groups`` without HMA) are absent.
+    ``child.<operation>(...)`` is the child's bound method, or that method as
+    the ``wrap`` hook makes it (timed, traced, gated by the circuit breaker,
+    isolated); :meth:`bind` makes them again when that changes. Observability
+    and isolation thus wrap any call, at start-up, without touching the
+    forwarding logic. Operations the child's class does not define
+    (``request_finished_all_groups`` without HMA) are absent.
     """
 
-    def __init__(self, spec: ChildSpec, connector: KVConnectorBase_V1, wrap: CallWrapper | None = None) -> None:
+    def __init__(
+        self, spec: ChildSpec, connector: KVConnectorBase_V1, guard: ChildGuard, wrap: CallWrapper | None = None,
+    ) -> None:
         self.spec = spec
         self.connector = connector
+        self.guard = guard  # its error isolation, which the composite's data-path loops ask for answers
         self.name = spec.name
         self.index = spec.index
         self.load = spec.config.load
         self.save = spec.config.save
         self.class_path = class_path(spec.connector_cls)
-        for operation in CHILD_OPERATIONS:
-            method = getattr(connector, operation, None)
-            if method is not None:
-                setattr(self, operation, wrap(spec, operation, method) if wrap else method)
+        self._methods = {operation: method for operation in CHILD_OPERATIONS
+                         if (method := getattr(connector, operation, None)) is not None}
+        self._wrap = wrap
+        self.bind()
+
+    def bind(self) -> None:
+        """Make every call as the ``wrap`` hook has it made now."""
+        for operation, method in self._methods.items():
+            setattr(self, operation, self._wrap(self.spec, operation, method) if self._wrap else method)
 
     def __getattr__(self, operation: str) -> Callable[..., Any]:  # only reached for absent operations
         raise AttributeError(f"child {self.name!r} ({self.spec.class_name}) has no operation {operation!r}")

@@ -4,7 +4,9 @@ Load from one child (chosen by the pipeline's load policy; ``first_match`` is
 MultiConnector's rule), save to every child with ``save: true``, and forward or
 aggregate every other method of ``KVConnectorBase_V1`` the way MultiConnector
 does. This module holds the forwarding logic only: every call into a child
-goes through ``child.<operation>``, which observability wraps elsewhere.
+goes through ``child.<operation>``, which observability wraps elsewhere. The
+loops over children catch a data-path child's failure themselves and ask the
+child's guard what it answers (see :mod:`kvcompose.connectors.isolation`).
 
 Deliberately not forwarded:
 - ``get_kv_connector_kv_cache_events``: MultiConnector does not aggregate it
@@ -49,7 +51,7 @@ from kvcompose.connectors.children import (
     pipeline_from_vllm_config,
     resolved_children,
 )
-from kvcompose.connectors.isolation import FAILED, BreakerState, ChildGuard
+from kvcompose.connectors.isolation import BreakerState, ChildGuard
 from kvcompose.connectors.ledger import SchedulerLedger, WorkerLedger
 from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
 from kvcompose.connectors.pairing import PairingCheck, PipelineShape
@@ -68,9 +70,15 @@ from kvcompose.metrics.recorder import DENSE_FROM_WORKERS, PipelineRecorder
 from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY, TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
 from kvcompose.metrics.telemetry import TelemetryCounters
 from kvcompose.metrics.transfers import TransferRecorder
+from kvcompose.operations import FAILED, OPERATIONS
 from kvcompose.tracing import pipeline_tracer
 
 logger = get_logger("connector")
+
+# The data-path operations, whose failures the loops below catch.
+_LOOKUP, _AFTER_ALLOC = OPERATIONS["get_num_new_matched_tokens"], OPERATIONS["update_state_after_alloc"]
+_START_LOAD, _WAIT_FOR_SAVE = OPERATIONS["start_load_kv"], OPERATIONS["wait_for_save"]
+_TRANSFER_RESULTS, _LOAD_ERRORS = OPERATIONS["get_transfer_results"], OPERATIONS["get_block_ids_with_load_errors"]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,12 +110,12 @@ class KVComposeConnector(KVConnectorBase_V1):
             and vllm_config.parallel_config.world_size >= DENSE_FROM_WORKERS,
         )
         self._tracing = pipeline_tracer(self.pipeline, role.name.lower())
-        self._guards = [ChildGuard(child, self._breaker_changed, self._recorder.count_isolated_error)
+        self._guards = [ChildGuard(child, self._guard_changed, self._recorder.count_isolated_error)
                         for child in self.pipeline.children]
         for guard in self._guards:
             guard.half_open_at_step_start = role is KVConnectorRole.WORKER
         self.children = [
-            Child(spec, construct_child(spec, role, kv_cache_config), self._wrap_child_call)
+            Child(spec, construct_child(spec, role, kv_cache_config), self._guards[spec.index], self._wrap_child_call)
             for spec in child_specs(vllm_config, self.pipeline)
         ]
         self._loaders = tuple(c for c in self.children if c.load)
@@ -142,43 +150,38 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._worker_ledger = WorkerLedger()
 
     def _wrap_child_call(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        """Where each child operation is wrapped, once, at start-up: timing
-        innermost, then error isolation, then the span around both."""
-        metered = self._recorder.wrap(spec.name, operation, call)
-        guard = self._guards[spec.index]
-        return self._tracing.wrap(spec, operation, guard.wrap(operation, metered), guard)
+        """How each child operation is made, decided at start-up and again when its breaker changes:
+        timing innermost, then the breaker's gate, then the span, then isolation (off the data path).
+        With nothing to add, the child's own bound method."""
+        declared, guard = OPERATIONS[operation], self._guards[spec.index]
+        gated = guard.gate(declared, self._recorder.wrap(spec.name, operation, call))
+        return guard.isolating(declared, self._tracing.wrap(spec, operation, gated))
 
-    def _breaker_changed(self, guard: ChildGuard) -> None:
+    def _guard_changed(self, guard: ChildGuard, state_changed: bool) -> None:
+        self.children[self._guards.index(guard)].bind()
         self._bind_layer_calls()
-        self._tracing.breaker_changed(guard.name, guard.state.name.lower())
+        if state_changed:
+            self._tracing.breaker_changed(guard.name, guard.state.name.lower())
 
     def _bind_layer_calls(self) -> None:
         """Bind the per-layer calls (made once per layer per step) once, not per
-        call: only children whose circuit is closed, each call reporting its
-        success to the breaker while its operation has failures to forget; no
-        saves for the rest of a step whose load failed."""
-        closed = [c for c in self.children if self._guards[c.index].state is BreakerState.CLOSED]
-        loads = {self._guards[c.index].layer_call("wait_for_layer_load", c.wait_for_layer_load): c
-                 for c in closed if c.load}
-        saves = {self._guards[c.index].layer_call("save_kv_layer", c.save_kv_layer): c
-                 for c in closed if c.save and not self._saves_stopped}
+        call: only children whose circuit is closed; no saves for the rest of a
+        step whose load failed."""
+        closed = [c for c in self.children if c.guard.state is BreakerState.CLOSED]
+        loads = {c.wait_for_layer_load: c for c in closed if c.load}
+        saves = {c.save_kv_layer: c for c in closed if c.save and not self._saves_stopped}
         # A step with sync loads also marks their end after its last layer wait.
         transfers = self._transfers
         load_end = (transfers.layer_waited,) if transfers is not None and transfers.waits_for_loads else ()
         self._layer_loads, self._layer_saves = tuple(loads) + load_end, tuple(saves)
         self._layer_owners = {**loads, **saves}
 
-    def _isolate_layer_failure(self, call: Callable[..., Any], operation: str, error: Exception) -> bool:
-        """A per-layer call raised: True if its child isolates errors (then handled here)."""
+    def _layer_call_failed(self, call: Callable[..., Any], operation: str, error: Exception) -> None:
+        """A per-layer call raised: isolated (a failed load's blocks go back to vLLM), or raised again."""
         child = self._layer_owners[call]
-        guard = self._guards[child.index]
-        if not guard.isolate:
-            return False
-        guard.failed(operation, error)
+        child.guard.answer(OPERATIONS[operation], error)
         if operation == "wait_for_layer_load":
             self._fail_loads(child.index)
-        self._bind_layer_calls()  # its next call reports a success, or it is left out (circuit open)
-        return True
 
     def _fail_loads(self, child_index: int) -> None:
         """The child failed this step: its loads go back to vLLM for recompute."""
@@ -279,7 +282,10 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         for child in self._loaders:
-            if child.start_load_kv(forward_context, **kwargs) is FAILED:
+            try:
+                child.start_load_kv(forward_context, **kwargs)
+            except Exception as error:
+                child.guard.answer(_START_LOAD, error)
                 self._fail_loads(child.index)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -287,8 +293,7 @@ class KVComposeConnector(KVConnectorBase_V1):
             try:
                 wait_for_layer_load(layer_name)
             except Exception as error:
-                if not self._isolate_layer_failure(wait_for_layer_load, "wait_for_layer_load", error):
-                    raise
+                self._layer_call_failed(wait_for_layer_load, "wait_for_layer_load", error)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -297,12 +302,14 @@ class KVComposeConnector(KVConnectorBase_V1):
             try:
                 save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
             except Exception as error:
-                if not self._isolate_layer_failure(save_kv_layer, "save_kv_layer", error):
-                    raise
+                self._layer_call_failed(save_kv_layer, "save_kv_layer", error)
 
     def wait_for_save(self) -> None:
         for child in self._savers:
-            child.wait_for_save()
+            try:
+                child.wait_for_save()
+            except Exception as error:
+                child.guard.answer(_WAIT_FOR_SAVE, error)
         if self._transfers is not None:
             self._transfers.saves_waited()
 
@@ -325,7 +332,10 @@ class KVComposeConnector(KVConnectorBase_V1):
         results = KVConnectorTransferResults()
         transfers = self._transfers
         for child in self.children:
-            child_results = child.get_transfer_results(finished_req_ids)
+            try:
+                child_results = child.get_transfer_results(finished_req_ids)
+            except Exception as error:
+                child_results = child.guard.answer(_TRANSFER_RESULTS, error)
             if child_results is FAILED:
                 child_results = self._worker_ledger.given_up(child.index)
                 if transfers is not None:
@@ -344,7 +354,10 @@ class KVComposeConnector(KVConnectorBase_V1):
         step = self._connector_metadata.step if isinstance(self._connector_metadata, KVComposeMetadata) else -1
         failed: set[int] = set()
         for child in self.children:
-            child_failed = child.get_block_ids_with_load_errors()
+            try:
+                child_failed = child.get_block_ids_with_load_errors()
+            except Exception as error:
+                child_failed = child.guard.answer(_LOAD_ERRORS, error)
             if child_failed is FAILED:
                 self._fail_loads(child.index)
             elif child_failed:
@@ -419,11 +432,22 @@ class KVComposeConnector(KVConnectorBase_V1):
         if request.kv_transfer_params:  # a remote prefill's: check the pair's pipelines match
             self._pairing.check(request.kv_transfer_params)
         self._recorder.lookup_started(request.request_id)
-        choice = self._choose_loader(self._loaders, request, num_computed_tokens)
-        if choice.num_tokens is None:
-            return None, False
-        self._scheduler_ledger.choose(request.request_id, choice.child_index, num_computed_tokens, choice.load_async)
-        return choice.num_tokens, choice.load_async
+        answers = []  # every loader is asked, as MultiConnector does, so each sees the request's lookup
+        for child in self._loaders:
+            try:
+                answer = child.get_num_new_matched_tokens(request, num_computed_tokens)
+            except Exception as error:
+                answer = child.guard.answer(_LOOKUP, error)
+            if answer[0] is None:  # still looking: the whole answer is "ask again later"
+                return None, False
+            answers.append(answer)
+        chosen = self._choose_loader(answers)
+        if chosen is None:
+            self._scheduler_ledger.choose(request.request_id, None, num_computed_tokens, False)
+            return 0, False
+        tokens, load_async = answers[chosen]
+        self._scheduler_ledger.choose(request.request_id, self._loaders[chosen].index, num_computed_tokens, load_async)
+        return tokens, load_async
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         chosen = self._scheduler_ledger.loading.get(request.request_id)
@@ -443,10 +467,11 @@ class KVComposeConnector(KVConnectorBase_V1):
         loading = chosen.child if chosen is not None and num_external_tokens > 0 else None
         accepted = True
         for child in self.children:
-            if child.index == loading:
-                accepted = child.update_state_after_alloc(request, blocks, num_external_tokens) is not FAILED
-            else:
-                child.update_state_after_alloc(request, blocks, 0)
+            try:
+                child.update_state_after_alloc(request, blocks, num_external_tokens if child.index == loading else 0)
+            except Exception as error:
+                child.guard.answer(_AFTER_ALLOC, error)
+                accepted = accepted and child.index != loading
         if loading is not None:
             self._scheduler_ledger.plan_load(request.request_id, blocks, num_external_tokens, accepted)
         self._recorder.request_admitted(request, loading if accepted else None, num_external_tokens)
@@ -488,16 +513,16 @@ class KVComposeConnector(KVConnectorBase_V1):
             connector_output.kv_connector_worker_meta = composite_meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._finish_request(request, lambda child: child.request_finished(request, block_ids))
+        return self._finish_request(request, "request_finished", block_ids)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """HMA variant of ``request_finished`` (only called when every child supports HMA)."""
-        return self._finish_request(request, lambda child: child.request_finished_all_groups(request, block_ids))
+        return self._finish_request(request, "request_finished_all_groups", block_ids)
 
     def _finish_request(
-        self, request: Request, finish: Callable[[Child], tuple[bool, dict[str, Any] | None]]
+        self, request: Request, operation: str, block_ids: list[int] | tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Ask every child; merge their kv_transfer_params (a key clash is an
         error) and note its async savers so the request is reported sent once."""
@@ -505,7 +530,10 @@ class KVComposeConnector(KVConnectorBase_V1):
         params: dict[str, Any] | None = None
         try:
             for child in self.children:
-                saves_async, child_params = finish(child)
+                try:
+                    saves_async, child_params = getattr(child, operation)(request, block_ids)
+                except Exception as error:
+                    saves_async, child_params = child.guard.answer(OPERATIONS[operation], error)
                 if saves_async:
                     async_savers.append(child.index)
                 if child_params is not None:

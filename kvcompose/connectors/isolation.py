@@ -1,34 +1,45 @@
 """Failure isolation per child: ``on_error`` and a circuit breaker.
 
-A child call that raises under ``on_error: isolate`` is logged, counted,
-marked on the current span and answered with a neutral result, so the
-composite carries on without that child. Where the composite has to repair
-something after a failed call (a load that will not happen, a save that will
-never be reported), the answer is :data:`FAILED`; the composite checks for it.
-A result that is iterated after the call returns (``take_events`` may return
-a generator) is isolated while it is iterated: the events yielded before the
-failure are kept, and the failure is the call's.
+A child call that raises under ``on_error: isolate`` is logged, counted and
+answered with its operation's fallback (``Operation.fallback`` in
+:mod:`kvcompose.operations`), so the composite carries on without that child.
+Where the composite has to repair something after a failed call (a load that
+will not happen, a save that will never be reported), the answer is
+:data:`~kvcompose.operations.FAILED`. A result that is iterated after the call
+returns (``take_events`` may return a generator) is isolated while it is
+iterated: the events yielded before the failure are kept.
 
-The circuit breaker watches the data path only: the calls in
-:data:`DATA_PATH_OPERATIONS`, which find, load and save KV, the per-layer ones
-included (the composite's per-layer loops report their outcomes). It counts
-consecutive failures per operation: ``circuit_breaker.failures`` failed calls
-of one operation in a row open the circuit, and a successful call of that
-operation starts its count again. Per operation, because a tier that can no
-longer save may still answer lookups, and one operation's successes must not
-hide another's failures. Housekeeping calls (metadata, events, pending frees,
-...) run every step whatever the traffic: their successes say nothing about
-the tier, so they never reset a count, and their failures, isolated and
-counted like any other, never open the circuit.
+Where the failure is caught: data-path calls (``Operation.data_path``: the
+calls that find, load and save KV, made per request, step or layer) are made
+by the composite's own loops, which catch a failure and ask
+:meth:`ChildGuard.answer` for the answer; no wrapper frame stands between
+them and the child. Every other isolated call is wrapped once
+(:meth:`ChildGuard.isolating`).
 
-While the circuit is open, no call reaches the child; each gets the same
-answer as a failed call. Once ``cooldown_s`` has passed the circuit is half
-open: housekeeping calls go through again (a worker must bind the step's
-metadata before it can load), and exactly one data-path call is let through
-as the probe (per-layer calls stay out of the loops until the circuit
-closes). Any other data-path call made while the probe runs gets the failed
-answer. The probe's success closes the circuit and clears every count; its
-failure opens it for another ``cooldown_s``.
+The circuit breaker watches the data path only. It counts consecutive
+failures per operation: ``circuit_breaker.failures`` failed calls of one
+operation in a row open the circuit, and a successful call of that operation
+starts its count again. Per operation, because a tier that can no longer save
+may still answer lookups, and one operation's successes must not hide
+another's failures. Housekeeping calls (metadata, events, pending frees, ...)
+run every step whatever the traffic: their successes say nothing about the
+tier, so they never reset a count, and their failures, isolated and counted
+like any other, never open the circuit.
+
+While the circuit is open, no call reaches the child: it raises
+:class:`CircuitOpen` instead (the span shows ``error.type`` =
+``kvcompose.circuit_open``) and gets the same answer as a failed call. Once
+``cooldown_s`` has passed the circuit is half open: housekeeping calls go
+through again (a worker must bind the step's metadata before it can load),
+and exactly one data-path call is let through as the probe (per-layer calls
+stay out of the loops until the circuit closes). Any other data-path call
+made while the probe runs is skipped. The probe's success closes the circuit
+and clears every count; its failure opens it for another ``cooldown_s``.
+
+The breaker's state decides how each child call is made (:meth:`ChildGuard.gate`):
+a closed circuit with no failures to forget adds nothing; otherwise a gate
+skips, probes or reports successes. The composite binds its child calls again
+whenever that changes (``on_change``).
 
 Calls made once at start-up (registering caches, memory pools, handshakes)
 are never isolated: a child that cannot start should stop the engine with its
@@ -45,6 +56,7 @@ from typing import Any
 
 from kvcompose.config import ChildConfig
 from kvcompose.logs import get_logger
+from kvcompose.operations import OPERATIONS, Operation
 from kvcompose.tracing.pipeline import qualified_name
 
 logger = get_logger("isolation")
@@ -52,60 +64,12 @@ logger = get_logger("isolation")
 CIRCUIT_OPEN = "kvcompose.circuit_open"  # error.type of a call skipped while the circuit is open
 
 
-class _Failed:
-    """The answer of a failed or skipped call the composite must repair."""
-
-    def __repr__(self) -> str:
-        return "FAILED"
+class CircuitOpen(Exception):
+    """Raised in place of a call skipped while the child's circuit is open; isolation answers it."""
 
 
-FAILED: Any = _Failed()
-
-
-def _nothing() -> None:
-    return None
-
-
-# What an isolated call answers, per operation. The per-layer calls
-# (save_kv_layer, wait_for_layer_load) are isolated by the composite's own
-# loops instead: a wrapper per layer and child would cost more than the call.
-# Operations not listed always raise.
-FALLBACKS: dict[str, Callable[[], Any]] = {
-    # scheduler side
-    "get_num_new_matched_tokens": lambda: (0, False),
-    "get_external_cache_hit_sources": dict,
-    "update_state_after_alloc": lambda: FAILED,
-    "on_new_request": _nothing,
-    "build_connector_meta": lambda: FAILED,
-    "update_connector_output": _nothing,
-    "request_finished": lambda: (False, None),
-    "request_finished_all_groups": lambda: (False, None),
-    "take_events": tuple,
-    "has_pending_block_frees": lambda: False,
-    "has_pending_push_work": lambda: False,
-    "reset_cache": lambda: False,
-    "get_kv_connector_stats": _nothing,
-    # worker side
-    "bind_connector_metadata": lambda: FAILED,
-    "clear_connector_metadata": _nothing,
-    "handle_preemptions": _nothing,
-    "start_load_kv": lambda: FAILED,
-    "wait_for_save": _nothing,
-    "finish_forward": _nothing,
-    "get_transfer_results": lambda: FAILED,
-    "get_block_ids_with_load_errors": lambda: FAILED,
-    "build_connector_worker_meta": _nothing,
-}
-
-# The calls whose outcomes drive the circuit breaker (see the module docstring).
-DATA_PATH_OPERATIONS = frozenset({
-    "get_num_new_matched_tokens", "update_state_after_alloc", "request_finished", "request_finished_all_groups",
-    "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_transfer_results",
-    "get_block_ids_with_load_errors",
-})
-
-# Operations whose result may be iterated after the call returns.
-ITERATED_OPERATIONS = frozenset({"take_events"})
+# Spans and logs name a failure by its class's qualified name: make that the documented error.type.
+CircuitOpen.__module__, CircuitOpen.__qualname__ = CIRCUIT_OPEN.split(".")
 
 
 class BreakerState(enum.IntEnum):
@@ -117,25 +81,27 @@ class BreakerState(enum.IntEnum):
 
 
 FailureHook = Callable[[str, str, Exception], None]  # (child name, operation, error)
+# Told when the child's calls must be bound again: (guard, whether the circuit changed state).
+ChangeHook = Callable[["ChildGuard", bool], None]
 
 
 class ChildGuard:
     """Isolation and the circuit breaker of one child, in one process.
 
-    ``on_state_change`` is told when the circuit changes state, ``on_failure``
-    of every isolated failure (for the metrics).
+    ``on_change`` is told when the child's calls must be bound again (the
+    circuit changed state, or an operation has failures to forget or no
+    longer has), ``on_failure`` of every isolated failure (for the metrics).
     """
 
     def __init__(
-        self, config: ChildConfig, on_state_change: Callable[[ChildGuard], None] | None = None,
-        on_failure: FailureHook | None = None,
+        self, config: ChildConfig, on_change: ChangeHook | None = None, on_failure: FailureHook | None = None,
     ) -> None:
         self.name = config.name
         self.isolate = config.on_error == "isolate"
         self._breaker_enabled = config.circuit_breaker.enabled
         self._threshold = config.circuit_breaker.failures
         self._cooldown_s = config.circuit_breaker.cooldown_s
-        self._on_state_change = on_state_change
+        self._on_change = on_change
         self._on_failure = on_failure
         self.state = BreakerState.CLOSED
         # Data-path operation -> its consecutive failures; only operations with at least one.
@@ -144,87 +110,81 @@ class ChildGuard:
         self._reported_state = BreakerState.CLOSED
         self._open_until = 0.0
         self._probe = threading.Lock()  # held by the one probing call of a half-open circuit
-        # Calls answered with a fallback (failed or skipped), and why the last one was: the tracer
-        # compares the count around a call to mark its span.
+        # Calls answered with a fallback (failed or skipped), and why the last one was: the transfer
+        # tracker tells a transfer failed by its child's call from one the child reported.
         self.failures = 0
         self.last_error_type = ""
         # Worker side: an open circuit turns half open only when a step starts (step_started), so the
         # child is given that step's metadata before its probe; mid-step, its probe would find none.
         self.half_open_at_step_start = False
-        self._reporting_layer_calls: dict[str, Callable[..., Any]] = {}  # see layer_call
 
-    # ---- wrapping child calls (once, at start-up) ----
+    # ---- how a call is made (bound again on every change) ----
 
-    def wrap(self, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        fallback = FALLBACKS.get(operation)
-        if fallback is None or not self.isolate:
+    def gate(self, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call`` as the breaker's state has it made now: as is, skipped or probed, or reporting
+        its success while its operation has failures to forget. Calls never isolated (start-up,
+        shutdown) are never gated either."""
+        if not self.isolate or operation.fallback is None:
             return call
-        if operation in DATA_PATH_OPERATIONS:
-            return self._wrap_data_call(operation, call, fallback)
-        return self._wrap_housekeeping_call(operation, call, fallback)
+        if self.state is BreakerState.CLOSED:
+            if operation.name in self.consecutive_failures:
+                return self._reporting(operation.name, call)
+            return call
+        if operation.data_path:
+            return self._probing(call)
+        return self._skipped_until_cooled_down(call)
 
-    def _wrap_data_call(
-        self, operation: str, call: Callable[..., Any], fallback: Callable[[], Any]
-    ) -> Callable[..., Any]:
-        # Runs on every call: an enum member read from its class costs ~150 ns on
-        # Python 3.11, so it is read once here, and a success in a closed circuit
-        # with no failures to forget makes no further call.
-        closed = BreakerState.CLOSED
-
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            if self.state is not closed:
-                return self._call_while_not_closed(operation, call, fallback, args, kwargs)
-            try:
-                result = call(*args, **kwargs)
-            except Exception as error:
-                self.failed(operation, error)
-                return fallback()
-            if self.consecutive_failures:
-                self.succeeded(operation)
+    def _reporting(self, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def reporting(*args: Any, **kwargs: Any) -> Any:
+            result = call(*args, **kwargs)
+            self.succeeded(operation)
             return result
 
-        return guarded
+        return reporting
 
-    def _wrap_housekeeping_call(
-        self, operation: str, call: Callable[..., Any], fallback: Callable[[], Any]
-    ) -> Callable[..., Any]:
-        closed = BreakerState.CLOSED
-        iterated = operation in ITERATED_OPERATIONS
-
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            if self.state is not closed and not self._cooled_down():
-                return self._skipped(fallback)
-            try:
-                result = call(*args, **kwargs)
-            except Exception as error:
-                self.failed(operation, error)
-                return fallback()
-            return self._isolate_iteration(operation, result) if iterated else result
-
-        return guarded
-
-    def _call_while_not_closed(
-        self, operation: str, call: Callable[..., Any], fallback: Callable[[], Any], args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
+    def _probing(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """A data-path call of an open or half-open circuit: skipped, or made as the one probe."""
-        if not self._cooled_down() or not self._probe.acquire(blocking=False):
-            return self._skipped(fallback)
-        try:
-            if self.state is not BreakerState.HALF_OPEN:  # another probe settled it meanwhile
-                return self._skipped(fallback)
+
+        def probing(*args: Any, **kwargs: Any) -> Any:
+            if not self._cooled_down() or not self._probe.acquire(blocking=False):
+                raise CircuitOpen
             try:
-                result = call(*args, **kwargs)
-            except Exception as error:
-                self.failed(operation, error)  # opens the circuit again
-                return fallback()
+                if self.state is not BreakerState.HALF_OPEN:  # another probe settled it meanwhile
+                    raise CircuitOpen
+                result = call(*args, **kwargs)  # a failure reaches answer(), which opens the circuit again
+            finally:
+                self._probe.release()
             self.consecutive_failures.clear()
             self._set_state(BreakerState.CLOSED)
             return result
-        finally:
-            self._probe.release()
 
-    def _isolate_iteration(self, operation: str, result: Any) -> Any:
+        return probing
+
+    def _skipped_until_cooled_down(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def housekeeping(*args: Any, **kwargs: Any) -> Any:
+            if not self._cooled_down():
+                raise CircuitOpen
+            return call(*args, **kwargs)
+
+        return housekeeping
+
+    def isolating(self, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call`` answering its failures, for an isolated operation off the data path (the
+        composite's loops catch the data path's themselves)."""
+        if not self.isolate or operation.fallback is None or operation.data_path:
+            return call
+        iterated = operation.iterated
+
+        def isolated(*args: Any, **kwargs: Any) -> Any:
+            try:
+                result = call(*args, **kwargs)
+            except Exception as error:
+                return self.answer(operation, error)
+            return self._isolate_iteration(operation, result) if iterated else result
+
+        return isolated
+
+    def _isolate_iteration(self, operation: Operation, result: Any) -> Any:
         """A result iterated later (a generator) fails while it is iterated: isolate that too."""
         if not isinstance(result, Iterator):
             return result
@@ -233,28 +193,23 @@ class ChildGuard:
             try:
                 yield from result
             except Exception as error:
-                self.failed(operation, error)
+                self.failed(operation.name, error)
 
         return isolated()
 
-    def layer_call(self, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        """The per-layer ``call`` (always the same one per operation) the composite's loop
-        should make: ``call`` itself, or, while the operation has failures to forget, one
-        that reports its success (the same object each time it is asked for)."""
-        if operation not in self.consecutive_failures:
-            return call
-        if (reporting := self._reporting_layer_calls.get(operation)) is None:
-
-            def reporting(*args: Any, **kwargs: Any) -> Any:
-                result = call(*args, **kwargs)
-                if self.consecutive_failures:
-                    self.succeeded(operation)
-                return result
-
-            self._reporting_layer_calls[operation] = reporting
-        return reporting
-
     # ---- outcomes ----
+
+    def answer(self, operation: Operation, error: Exception) -> Any:
+        """What a failed (or skipped) call of ``operation`` answers: its fallback, once the failure is
+        recorded. Re-raises ``error`` if this child does not isolate its errors."""
+        if isinstance(error, CircuitOpen):
+            self.failures += 1
+            self.last_error_type = CIRCUIT_OPEN
+            return operation.fallback()  # type: ignore[misc]
+        if not self.isolate or operation.fallback is None:
+            raise error
+        self.failed(operation.name, error)
+        return operation.fallback()
 
     def _cooled_down(self) -> bool:
         """True once an open circuit's cool-down has passed; it is then half open."""
@@ -270,21 +225,19 @@ class ChildGuard:
         if self.state is BreakerState.OPEN and monotonic() >= self._open_until:
             self._set_state(BreakerState.HALF_OPEN)
 
-    def _skipped(self, fallback: Callable[[], Any]) -> Any:
-        self.failures += 1
-        self.last_error_type = CIRCUIT_OPEN
-        return fallback()
-
     def succeeded(self, operation: str) -> None:
         """A data-path call succeeded: its operation's failures are forgotten."""
-        self.consecutive_failures.pop(operation, None)
+        if self.consecutive_failures.pop(operation, None) is not None and self._on_change is not None:
+            self._on_change(self, False)
 
     def failed(self, operation: str, error: Exception) -> None:
-        """Record an isolated failure: log it (inside its span's ids), tell the tracer, report it;
-        a data-path failure counts toward opening the circuit."""
-        counts = operation in DATA_PATH_OPERATIONS
+        """Record an isolated failure: log it, report it; a data-path failure counts toward opening
+        the circuit."""
+        counts = self._breaker_enabled and OPERATIONS[operation].data_path
+        first = False
         if counts:
-            self.consecutive_failures[operation] = self.consecutive_failures.get(operation, 0) + 1
+            failures = self.consecutive_failures.get(operation, 0) + 1
+            self.consecutive_failures[operation], first = failures, failures == 1
         self.failures += 1
         self.last_error_type = qualified_name(type(error))
         logger.warning(
@@ -293,10 +246,10 @@ class ChildGuard:
         )
         if self._on_failure is not None:
             self._on_failure(self.name, operation, error)
-        if counts and self._breaker_enabled and (
-            self.state is BreakerState.HALF_OPEN or self.consecutive_failures[operation] >= self._threshold
-        ):
+        if counts and (self.state is BreakerState.HALF_OPEN or self.consecutive_failures[operation] >= self._threshold):
             self._open()
+        elif first and self._on_change is not None:
+            self._on_change(self, False)  # its successes report now
 
     def _open(self) -> None:
         if self.state is BreakerState.OPEN:
@@ -319,5 +272,5 @@ class ChildGuard:
         self.state = state
         logger.warning("circuit breaker", connector=self.name, state=state.name.lower(),
                        cooldown_s=self._cooldown_s)
-        if self._on_state_change is not None:
-            self._on_state_change(self)
+        if self._on_change is not None:
+            self._on_change(self, True)

@@ -35,29 +35,10 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from kvcompose.metrics.table import COUNTERS, OPS, CallTable, Cells, ErrorCounts, LoadErrors
+from kvcompose.operations import OPERATIONS, Granularity
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
-
-# Operations recorded, as they are named in Prometheus' ``op`` label.
-OPERATION_LABELS: dict[str, str] = {
-    "get_num_new_matched_tokens": "lookup",
-    "update_state_after_alloc": "update_state_after_alloc",
-    "build_connector_meta": "build_connector_meta",
-    "request_finished": "request_finished",
-    "request_finished_all_groups": "request_finished",
-    "start_load_kv": "start_load_kv",
-    "wait_for_save": "wait_for_save",
-    "get_transfer_results": "get_transfer_results",
-    "get_block_ids_with_load_errors": "get_block_ids_with_load_errors",
-}
-
-# Called once per layer per step: timed only with ``metrics.per_layer`` (a
-# timed call costs several times what MultiConnector spends per layer).
-PER_LAYER_OPERATIONS: dict[str, str] = {
-    "wait_for_layer_load": "wait_for_layer_load",
-    "save_kv_layer": "save_kv_layer",
-}
 
 LOOKUP = "get_num_new_matched_tokens"
 
@@ -98,7 +79,7 @@ class PipelineRecorder:
 
     def wrap(self, child_name: str, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
         """``call``, timed and counted; unwrapped when metrics are off, for operations
-        outside ``OPERATION_LABELS`` and, unless ``per_layer``, the per-layer ones."""
+        without a label and, unless ``per_layer``, the per-layer ones."""
         op = self._label(operation)
         if not self.enabled or op is None:
             return call
@@ -127,7 +108,10 @@ class PipelineRecorder:
 
     def _label(self, operation: str) -> str | None:
         """The ``op`` label of a timed operation; None if it is not timed."""
-        return OPERATION_LABELS.get(operation) or (PER_LAYER_OPERATIONS.get(operation) if self.per_layer else None)
+        declared = OPERATIONS[operation]
+        if declared.granularity is Granularity.LAYER and not self.per_layer:
+            return None
+        return declared.label
 
     # ---- what the calls meant, told by the composite ----
 
@@ -174,7 +158,7 @@ class PipelineRecorder:
     def count_isolated_error(self, child_name: str, operation: str, error: Exception) -> None:
         """A failure error isolation caught in a call this recorder did not time (and so did not count)."""
         if self.enabled and self._label(operation) is None:
-            self._count_error(child_name, OPERATION_LABELS.get(operation, operation), type(error).__name__)
+            self._count_error(child_name, OPERATIONS[operation].label or operation, type(error).__name__)
 
     # ---- handing the stats over ----
 

@@ -32,13 +32,10 @@ from typing import Any
 
 import numpy as np
 
-# The operations recorded, as Prometheus' ``op`` label names them. The last two
-# run once per layer per step and are recorded only with ``metrics.per_layer``.
-OPS: tuple[str, ...] = (
-    "lookup", "update_state_after_alloc", "build_connector_meta", "request_finished", "start_load_kv",
-    "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors", "wait_for_layer_load",
-    "save_kv_layer",
-)  # fmt: skip
+from kvcompose.operations import TIMED_LABELS
+
+# The operations recorded, as Prometheus' ``op`` label names them (see kvcompose.operations).
+OPS: tuple[str, ...] = TIMED_LABELS
 COUNTERS: tuple[str, ...] = ("lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens")
 
 # A merge that would leave more cells than this adds dense arrays instead.

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcompose.config import Pipeline
 from kvcompose.logs import CURRENT_CALL
-from kvcompose.metrics.recorder import OPERATION_LABELS
+from kvcompose.operations import OPERATIONS, Describe, Granularity
 from kvcompose.tracing import attributes as attr
 from kvcompose.tracing.records import IDS, SpanRecord, parse_traceparent, traceparent
 from kvcompose.tracing.sampling import Sampling, sampling_for
@@ -43,21 +43,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvcompose.connectors.children import ChildSpec
-    from kvcompose.connectors.isolation import ChildGuard
     from kvcompose.connectors.metadata import LoadPlan
-
-# Scheduler-side child calls whose first argument is the request.
-REQUEST_OPERATIONS = frozenset({
-    "get_num_new_matched_tokens", "update_state_after_alloc", "request_finished", "request_finished_all_groups",
-    "get_external_cache_hit_sources", "get_loaded_kv_cache_group_ids", "on_new_request",
-    "register_finished_partial_tail",
-})
-# Worker-side calls made once per step.
-STEP_OPERATIONS = frozenset({"start_load_kv", "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors"})
-LAYER_OPERATIONS = frozenset({"save_kv_layer", "wait_for_layer_load"})
-
-Extract = Callable[[tuple[Any, ...], Any], tuple[Any, ...]]
-
 
 @dataclass(frozen=True)
 class TracedRequest:
@@ -123,37 +109,33 @@ class PipelineTracer:
 
     # ---- wrapping child calls (once, at start-up) ----
 
-    def wrap(
-        self, spec: ChildSpec, operation: str, call: Callable[..., Any], guard: ChildGuard | None = None
-    ) -> Callable[..., Any]:
-        """``call`` traced; ``guard`` is the child's error isolation inside the span (it tells of failures
-        it answered for)."""
+    def wrap(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call`` traced, as its operation's declaration says (kvcompose.operations). A failure, or a
+        call the circuit breaker skipped, reaches the span as the exception it raises."""
+        declared = OPERATIONS[operation]
+        if not declared.traced:
+            return call
         base = self._child_attributes(spec)
-        keys, extract = attr.RESULT_ATTRIBUTES.get(operation, ((), None))
-        template = self._shipper.templates.register(
-            attr.span_name(OPERATION_LABELS.get(operation, operation)), base, keys)
-        if operation in REQUEST_OPERATIONS:
-            return self._request_call(spec, operation, template, extract, guard, call)
-        if operation in STEP_OPERATIONS or operation in LAYER_OPERATIONS:
-            traced = call
-            if self._step_spans and (operation in STEP_OPERATIONS or self._layer_spans):
-                traced = self._step_call(template, extract, guard, call)
-            if operation == "start_load_kv":
-                load = self._shipper.templates.register("kvcompose.load", base)
-                return self._per_request_call(load, self._loaded_by(spec.index), guard, traced)
-            if operation == "wait_for_save":
-                save = self._shipper.templates.register("kvcompose.save", base)
-                return self._per_request_call(save, self._new_requests, guard, traced)
-            return traced
-        return call
+        template = self._shipper.templates.register(declared.span_name, base, declared.attributes)
+        if declared.granularity is Granularity.REQUEST:
+            return self._request_call(spec, operation, template, declared.describe, call)
+        traced = call
+        if self._step_spans and (declared.granularity is Granularity.STEP or self._layer_spans):
+            traced = self._step_call(template, declared.describe, call)
+        if operation == "start_load_kv":
+            load = self._shipper.templates.register("kvcompose.load", base)
+            return self._per_request_call(load, self._loaded_by(spec.index), traced)
+        if operation == "wait_for_save":
+            save = self._shipper.templates.register("kvcompose.save", base)
+            return self._per_request_call(save, self._new_requests, traced)
+        return traced
 
     def _child_attributes(self, spec: ChildSpec) -> dict[str, Any]:
         return {attr.CONNECTOR_NAME: spec.name, attr.CONNECTOR_INDEX: spec.index,
                 attr.CONNECTOR_CLASS: spec.class_name, attr.ROLE: self._role}
 
     def _request_call(
-        self, spec: ChildSpec, operation: str, template: int, extract: Extract | None,
-        guard: ChildGuard | None, call: Callable[..., Any],
+        self, spec: ChildSpec, operation: str, template: int, describe: Describe | None, call: Callable[..., Any],
     ) -> Callable[..., Any]:
         note_loader = operation == "update_state_after_alloc"
         name = spec.name
@@ -162,30 +144,26 @@ class PipelineTracer:
             entry = self._request_span(request)
             if entry is None:
                 return call(request, *args, **kwargs)
-            result = self._traced_call(template, name, entry.trace_id, entry.span_id, request.request_id, extract,
-                                       guard, call, (request, *args), kwargs)
+            result = self._traced_call(template, name, entry.trace_id, entry.span_id, request.request_id, describe,
+                                       call, (request, *args), kwargs)
             if note_loader and args[1] > 0:
                 self._loaders[request.request_id] = spec.name
             return result
 
         return traced
 
-    def _step_call(
-        self, template: int, extract: Extract | None, guard: ChildGuard | None, call: Callable[..., Any],
-    ) -> Callable[..., Any]:
+    def _step_call(self, template: int, describe: Describe | None, call: Callable[..., Any]) -> Callable[..., Any]:
         name = self._shipper.templates.all[template].attributes[attr.CONNECTOR_NAME]
 
         def traced(*args: Any, **kwargs: Any) -> Any:
             if (step := self._step_span) is None:
                 return call(*args, **kwargs)
-            return self._traced_call(template, name, step.trace_id, step.span_id, None, extract, guard, call, args,
-                                     kwargs)
+            return self._traced_call(template, name, step.trace_id, step.span_id, None, describe, call, args, kwargs)
 
         return traced
 
     def _per_request_call(
-        self, template: int, select: Callable[[], list[TracedRequest]], guard: ChildGuard | None,
-        call: Callable[..., Any],
+        self, template: int, select: Callable[[], list[TracedRequest]], call: Callable[..., Any],
     ) -> Callable[..., Any]:
         """One span per selected request, timed by this call, in that request's trace."""
 
@@ -194,7 +172,6 @@ class PipelineTracer:
             if not requests:
                 return call(*args, **kwargs)
             start, error_type = time_ns(), None
-            failures = guard.failures if guard is not None else 0
             try:
                 return call(*args, **kwargs)
             except Exception as error:
@@ -202,8 +179,6 @@ class PipelineTracer:
                 raise
             finally:
                 end = time_ns()
-                if guard is not None and guard.failures != failures:
-                    error_type = guard.last_error_type
                 for request in requests:
                     parent = self._step_contexts[request.request_id]
                     self._records.append((template, parent.trace_id, IDS.span_id(), parent.span_id, start, end,
@@ -213,13 +188,11 @@ class PipelineTracer:
 
     def _traced_call(
         self, template: int, child_name: str, trace_id: int, parent_id: int, request_id: str | None,
-        extract: Extract | None, guard: ChildGuard | None, call: Callable[..., Any], args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
+        describe: Describe | None, call: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
     ) -> Any:
-        """Run ``call`` as a span under ``parent_id``: its timing, its failure (raised, or answered by
-        ``guard``), what its result says, and breaker events that happen during it."""
+        """Run ``call`` as a span under ``parent_id``: its timing, its failure, what its result says,
+        and breaker events that happen during it."""
         span_id = IDS.span_id()
-        failures = guard.failures if guard is not None else 0
         events: list[tuple[str, int, Mapping[str, Any]]] = []
         outer_events, self._events = self._events, events
         outer_call, CURRENT_CALL.ids = CURRENT_CALL.ids, (trace_id, span_id, child_name)
@@ -231,11 +204,9 @@ class PipelineTracer:
             error_type = qualified_name(type(error))
             raise
         else:
-            if guard is not None and guard.failures != failures:
-                error_type = guard.last_error_type  # a failure or skip isolation answered: no result to describe
-            elif extract is not None:
+            if describe is not None:
                 try:
-                    values = extract(args, result)
+                    values = describe(args, result)
                 except Exception:  # a result of a shape the child should not return: described by nothing
                     values = None
             return result
@@ -384,9 +355,7 @@ class NoTracing:
 
     open_requests = 0
 
-    def wrap(
-        self, spec: ChildSpec, operation: str, call: Callable[..., Any], guard: ChildGuard | None = None
-    ) -> Callable[..., Any]:
+    def wrap(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
         return call
 
     def request_finished(self, request: Request, saves_async: bool = False) -> None:

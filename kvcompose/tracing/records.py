@@ -24,9 +24,9 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from kvcompose.tracing.attributes import ERROR_TYPE, REQUEST_ID
+
 SCOPE_NAME = "kvcompose"
-REQUEST_ID = "gen_ai.request.id"  # the key vLLM's own request spans use
-ERROR_TYPE = "error.type"  # OpenTelemetry's semantic convention for failures
 
 
 class SpanTemplate(NamedTuple):
