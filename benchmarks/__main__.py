@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("hot_path", "request_cost", "transfer_cost", "stats_merge", "end_to_end")
+PARTS = ("hot_path", "request_cost", "request_rate", "transfer_cost", "stats_merge", "end_to_end")
 
 
 def machine() -> dict[str, Any]:
@@ -34,7 +34,7 @@ def machine() -> dict[str, Any]:
 
 
 def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
-    from benchmarks import end_to_end, hot_path, request_cost, stats_merge, targets, transfer_cost
+    from benchmarks import end_to_end, hot_path, request_cost, request_rate, stats_merge, targets, transfer_cost
 
     result: dict[str, Any] = {"machine": machine()}
     sections, checks = [], []
@@ -47,6 +47,11 @@ def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
         sections.append("### Engine-process CPU per request, every request traced (OTLP export)\n\n"
                         + request_cost.table(costs))
         checks += targets.request_cost_checks(costs)
+    if "request_rate" in parts:
+        result["request_rate"] = rates = request_rate.measure()
+        sections.append(f"### Engine-process CPU at request rates, every request traced (OTLP export), "
+                        f"{request_rate.CHILDREN} children\n\n" + request_rate.table(rates))
+        checks += targets.request_rate_checks(rates)
     if "transfer_cost" in parts:
         result["transfer_cost"] = tracked = transfer_cost.measure()
         sections.append("### Tracking a transfer (2 children)\n\n" + transfer_cost.table(tracked))

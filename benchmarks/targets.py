@@ -19,6 +19,9 @@ UNREACHABLE_MAX_EXTRA_RSS_MIB = 32.0
 MERGE_MAX_MS = 1.0
 # Extra engine-process CPU per request, every request traced and exported, by child count.
 TRACED_REQUEST_MAX_EXTRA_US = {2: 50.0, 8: 100.0}
+# Extra share of one core per request/s, every request traced, 2 children: the per-request bound at that rate
+# (5% of a core at 1000 requests/s; before, 100/s cost about 18% and 1000/s more than a core).
+TRACED_CORE_SHARE_MAX = TRACED_REQUEST_MAX_EXTRA_US[2] / 1e6
 TRANSFER_TRACKING_MAX_US = 1.0  # engine-thread CPU per transfer, tracing off
 
 
@@ -45,6 +48,16 @@ def request_cost_checks(rows: list[dict[str, Any]]) -> list[Check]:
               f"{TRACED_REQUEST_MAX_EXTRA_US[row['children']]:.0f} us over MultiConnector",
               f"{row['extra_us']['kvc_traced']:+.1f} us", row["extra_us"]["kvc_traced"]
               <= TRACED_REQUEST_MAX_EXTRA_US[row["children"]])
+        for row in rows
+    ]
+
+
+def request_rate_checks(rows: list[dict[str, Any]]) -> list[Check]:
+    return [
+        Check(f"engine CPU at {row['rate']} requests/s, every request traced (OTLP), {row['children']} children: "
+              f"<= {TRACED_CORE_SHARE_MAX * row['rate']:.1%} of a core over MultiConnector",
+              f"{row['extra_share']['kvc_traced']:+.2%} (achieved {row['achieved_per_s']['kvc_traced']:.0f}/s)",
+              row["extra_share"]["kvc_traced"] <= TRACED_CORE_SHARE_MAX * row["rate"])
         for row in rows
     ]
 
