@@ -168,6 +168,20 @@ def test_request_cost_times_every_subject_and_its_spans_reach_the_collector() ->
     assert len(targets.request_cost_checks(rows)) == len(rows)
 
 
+def test_request_rate_drives_every_subject_at_each_rate_and_spans_reach_the_collector() -> None:
+    from benchmarks import request_rate
+
+    rows = request_rate.measure(rounds=1, seconds=0.05)
+
+    assert [row["rate"] for row in rows] == list(request_rate.RATES)
+    for row in rows:
+        assert set(row["core_share"]) == set(request_rate.SUBJECTS) and _finite(row["core_share"].values())
+        assert set(row["extra_share"]) == {"kvc_off", "kvc_traced"}
+        assert all(achieved > 0 for achieved in row["achieved_per_s"].values())
+    assert rows[0]["sink_exports"] > 0  # the traced subject's spans left the process
+    assert len(targets.request_rate_checks(rows)) == len(rows)
+
+
 def test_transfer_cost_compares_a_tracked_composite_with_the_same_one_untracked() -> None:
     from benchmarks import transfer_cost
 
