@@ -18,31 +18,16 @@ back-to-back figure; the sleeping itself is in every subject's share alike.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from typing import Any
 
-from benchmarks.request_life import SUBJECTS, Collector, live, rotated, subjects
+from benchmarks.request_life import SUBJECTS, Collector, exporter_cpu, live, rotated, subjects
 
 RATES = (100, 1000)  # requests/s
 CHILDREN = 2
 SECONDS = 2.5  # per subject, rate and round
 WARM_UP = 20  # request lives per subject first: first calls import, and the exporter process starts
-EXPORT_PROCESS = "kvcompose.tracing.export_process"
-
-
-def _exporter_cpu() -> float:
-    """CPU seconds so far of this process's span exporter processes (0 when none runs)."""
-    import psutil  # a dependency of vLLM
-
-    total = 0.0
-    for child in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            if EXPORT_PROCESS in child.cmdline():
-                times = child.cpu_times()
-                total += times.user + times.system
-    return total
 
 
 def _sleep_until(due: float) -> None:
@@ -54,14 +39,14 @@ def _drive(connector: Any, rate: int, seconds: float, prefix: str) -> dict[str, 
     """Serve ``rate`` requests/s for ``seconds``: shares of one core (this process, the exporter) and the rate
     achieved, over the schedule's wall time (to the end of the last request's slot, or later when behind)."""
     count = round(rate * seconds)
-    exporter, cpu, start = _exporter_cpu(), time.process_time(), time.perf_counter()
+    exporter, cpu, start = exporter_cpu(), time.process_time(), time.perf_counter()
     for index in range(count):
         _sleep_until(start + index / rate)
         live(connector, f"{prefix}-{index}")
     _sleep_until(start + count / rate)
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu
-    return {"core_share": cpu / wall, "exporter_share": (_exporter_cpu() - exporter) / wall,
+    return {"core_share": cpu / wall, "exporter_share": (exporter_cpu() - exporter) / wall,
             "achieved_per_s": count / wall}
 
 

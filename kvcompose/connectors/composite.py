@@ -450,21 +450,21 @@ class KVComposeConnector(KVConnectorBase_V1):
         return tokens, load_async
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        chosen = self._scheduler_ledger.loading.get(request.request_id)
-        if chosen is None:
+        loader = self._scheduler_ledger.loader_of(request.request_id)
+        if loader is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
-        return self.children[chosen.child].get_external_cache_hit_sources(request, num_external_tokens)
+        return self.children[loader].get_external_cache_hit_sources(request, num_external_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        chosen = self._scheduler_ledger.loading[request.request_id]
-        return self.children[chosen.child].get_loaded_kv_cache_group_ids(request)
+        loader = self._scheduler_ledger.loader_of(request.request_id)
+        assert loader is not None, "vLLM asks only about requests a child loads"
+        return self.children[loader].get_loaded_kv_cache_group_ids(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The loading child gets the external token count; every other child
         gets the request's real blocks with 0 external tokens. The load is
         planned for the workers, or cancelled if the loading child failed."""
-        chosen = self._scheduler_ledger.loading.get(request.request_id)
-        loading = chosen.child if chosen is not None and num_external_tokens > 0 else None
+        loading = self._scheduler_ledger.loader_of(request.request_id) if num_external_tokens > 0 else None
         accepted = True
         for child in self.children:
             try:

@@ -13,7 +13,7 @@ each step's metadata; each worker's :class:`WorkerLedger` settles them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -23,10 +23,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
 
-class ChosenLoader(NamedTuple):
-    child: int  # index of the child that loads the request
-    local_tokens: int  # tokens vLLM had computed locally when it asked
-    load_async: bool
+# (index of the child that loads the request, tokens vLLM had computed locally when it asked, whether
+# the child loads asynchronously). A plain tuple: it is made on every lookup with a hit, and a named
+# tuple costs ~300 ns more to make on these CPUs.
+ChosenLoader = tuple[int, int, bool]
 
 
 def external_block_ids(blocks: KVCacheBlocks, local_tokens: int, external_tokens: int, block_size: int) -> tuple[int, ...]:
@@ -48,15 +48,17 @@ class SchedulerLedger:
         if child is None:
             self.loading.pop(req_id, None)
         else:
-            self.loading[req_id] = ChosenLoader(child, local_tokens, load_async)
+            self.loading[req_id] = (child, local_tokens, load_async)
+
+    def loader_of(self, req_id: str) -> int | None:
+        """The index of the child chosen to load the request, if one was."""
+        chosen = self.loading.get(req_id)
+        return None if chosen is None else chosen[0]
 
     def plan_load(self, req_id: str, blocks: KVCacheBlocks, external_tokens: int, accepted: bool) -> None:
         """Record the load the chosen child accepted (or failed to accept) for the workers."""
-        chosen = self.loading[req_id]
-        plan = LoadPlan(
-            chosen.child, external_block_ids(blocks, chosen.local_tokens, external_tokens, self._block_size),
-            chosen.load_async,
-        )
+        child, local_tokens, load_async = self.loading[req_id]
+        plan = LoadPlan(child, external_block_ids(blocks, local_tokens, external_tokens, self._block_size), load_async)
         (self._planned if accepted else self._cancelled)[req_id] = plan
 
     def cancel_loads_of(self, child: int) -> None:

@@ -17,7 +17,10 @@ LookupAnswer = tuple[int, bool]  # (tokens the loader can load, whether it loads
 
 def first_match(answers: Sequence[LookupAnswer]) -> int | None:
     """The first loader with tokens loads: MultiConnector's rule."""
-    return next((position for position, (tokens, _) in enumerate(answers) if tokens > 0), None)
+    for position, (tokens, _) in enumerate(answers):
+        if tokens > 0:
+            return position
+    return None
 
 
 def longest_match(answers: Sequence[LookupAnswer]) -> int | None:
