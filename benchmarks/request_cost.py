@@ -20,7 +20,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from benchmarks.request_life import SUBJECTS, Collector, exporter_cpu, exporters_paused, live, rotated, subjects
+from benchmarks.request_life import SUBJECTS, Collector, exporters_paused, live, rotated, subjects
+from benchmarks.stopwatch import exporter_cpu_s
 
 CHILD_COUNTS = (2, 8)
 
@@ -40,7 +41,7 @@ def measure(rounds: int = 7, requests: int = 400, drain_s: float = 0.5) -> list[
             served = subjects(children, sink.endpoint)
             alone = dict.fromkeys(SUBJECTS, float("inf"))
             alongside = dict.fromkeys(SUBJECTS, float("inf"))
-            exporter = exporter_cpu()
+            exporter = exporter_cpu_s()
             for round_index in range(rounds):
                 for name in rotated(round_index):
                     with exporters_paused(drain_s):
@@ -48,7 +49,7 @@ def measure(rounds: int = 7, requests: int = 400, drain_s: float = 0.5) -> list[
                     alone[name] = min(alone[name], seconds / requests * 1e6)
                     seconds = _serve(served[name], requests, f"{name}-{children}-{round_index}-alongside")
                     alongside[name] = min(alongside[name], seconds / requests * 1e6)
-            exporter_us = (exporter_cpu() - exporter) / (2 * rounds * requests) * 1e6
+            exporter_us = (exporter_cpu_s() - exporter) / (2 * rounds * requests) * 1e6
             served["kvc_traced"].shutdown()  # the exporter process flushes and exits
             rows.append({"children": children, "us_per_request": alone,
                          "extra_us": {name: alone[name] - alone["multi"] for name in SUBJECTS[1:]},

@@ -23,11 +23,11 @@ from types import TracebackType
 from typing import Any
 
 from benchmarks.connectors import kvcompose_connector, multi_connector, pipeline
+from benchmarks.stopwatch import exporter_processes
 from tests.connector_support import make_blocks, make_request, scheduler_output
 
 SUBJECTS = ("multi", "kvc_off", "kvc_traced")
 BLOCK_IDS = [1, 2, 3]
-EXPORT_PROCESS = "kvcompose.tracing.export_process"
 
 
 class Collector:
@@ -80,30 +80,6 @@ def live(connector: Any, request_id: str) -> None:
     connector.request_finished(request, BLOCK_IDS)
 
 
-def _exporters() -> list[Any]:
-    """This process's span exporter processes."""
-    import psutil  # a dependency of vLLM
-
-    found = []
-    for child in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            if EXPORT_PROCESS in child.cmdline():
-                found.append(child)
-    return found
-
-
-def exporter_cpu() -> float:
-    """CPU seconds so far of this process's span exporter processes (0 when none runs)."""
-    import psutil
-
-    total = 0.0
-    for exporter in _exporters():
-        with contextlib.suppress(psutil.Error):
-            times = exporter.cpu_times()
-            total += times.user + times.system
-    return total
-
-
 @contextlib.contextmanager
 def exporters_paused(drain_s: float) -> Iterator[None]:
     """Stop the exporter processes while the block runs, then let them work ``drain_s`` seconds.
@@ -112,7 +88,7 @@ def exporters_paused(drain_s: float) -> Iterator[None]:
     memory bandwidth: on these 2-vCPU machines a busy neighbour adds ~35% to this process's CPU
     time), which would charge the exporter's work to the engine's; spans wait in the ring meanwhile.
     """
-    paused = _exporters()
+    paused = exporter_processes()
     for exporter in paused:
         os.kill(exporter.pid, signal.SIGSTOP)
     try:

@@ -22,7 +22,8 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.request_life import SUBJECTS, Collector, exporter_cpu, live, rotated, subjects
+from benchmarks.request_life import SUBJECTS, Collector, live, rotated, subjects
+from benchmarks.stopwatch import exporter_cpu_s
 
 RATES = (100, 1000)  # requests/s
 CHILDREN = 2
@@ -39,14 +40,14 @@ def _drive(connector: Any, rate: int, seconds: float, prefix: str) -> dict[str, 
     """Serve ``rate`` requests/s for ``seconds``: shares of one core (this process, the exporter) and the rate
     achieved, over the schedule's wall time (to the end of the last request's slot, or later when behind)."""
     count = round(rate * seconds)
-    exporter, cpu, start = exporter_cpu(), time.process_time(), time.perf_counter()
+    exporter, cpu, start = exporter_cpu_s(), time.process_time(), time.perf_counter()
     for index in range(count):
         _sleep_until(start + index / rate)
         live(connector, f"{prefix}-{index}")
     _sleep_until(start + count / rate)
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu
-    return {"core_share": cpu / wall, "exporter_share": (exporter_cpu() - exporter) / wall,
+    return {"core_share": cpu / wall, "exporter_share": (exporter_cpu_s() - exporter) / wall,
             "achieved_per_s": count / wall}
 
 

@@ -17,7 +17,7 @@ A call made from inside another timed call (``get_finished`` asks
 from __future__ import annotations
 
 import functools
-import threading
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvcompose import connectors as kvcompose_connectors
 from kvcompose.operations import CONNECTOR_OPERATIONS
 
-EXPORTER_THREAD_PREFIX = "OtelBatch"  # the OpenTelemetry SDK's batch processor threads
+EXPORT_PROCESS = "kvcompose.tracing.export_process"  # the module each tracing engine process runs
 
 
 class Stopwatch:
@@ -58,13 +58,29 @@ ENGINE = Stopwatch()
 FRONT_END = Stopwatch()
 
 
+def exporter_processes() -> list[Any]:
+    """The span exporter processes this process started, directly or through its engine's processes."""
+    import psutil  # a dependency of vLLM
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if EXPORT_PROCESS in child.cmdline():
+                found.append(child)
+    return found
+
+
 def exporter_cpu_s() -> float:
-    """CPU seconds used so far by this process's span-exporting threads (none without tracing)."""
-    return sum(
-        time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-        for thread in threading.enumerate()
-        if thread.name.startswith(EXPORTER_THREAD_PREFIX) and thread.ident is not None
-    )
+    """CPU seconds used so far by the span exporter processes (none without tracing); those that
+    exited are no longer counted."""
+    import psutil
+
+    total = 0.0
+    for exporter in exporter_processes():
+        with contextlib.suppress(psutil.Error):
+            times = exporter.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def timed_connector_class(base: type[KVConnectorBase_V1]) -> type[KVConnectorBase_V1]:
