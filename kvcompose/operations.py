@@ -64,6 +64,7 @@ class Operation:
     iterated: bool = False  # its result may be a generator, iterated (and isolated) after the call
     attributes: tuple[str, ...] = ()  # span attributes its arguments and result give
     describe: Describe | None = None  # (args, result) -> values of ``attributes`` (a None value is left out)
+    keywords: bool = False  # vLLM's signature takes ``**kwargs``
     forwarded: bool = True  # the composite calls it on its children
     hma_only: bool = False  # only connectors that support the hybrid KV cache manager have it
 
@@ -147,11 +148,12 @@ _DECLARED: tuple[Operation, ...] = (
     Operation("bind_connector_metadata", _W, _STEP, fallback=_failed),
     Operation("clear_connector_metadata", _W, _STEP, fallback=_nothing),
     Operation("handle_preemptions", _W, _STEP, fallback=_nothing),
-    Operation("start_load_kv", _W, _STEP, "start_load_kv", traced=True, data_path=True, fallback=_failed),
+    Operation("start_load_kv", _W, _STEP, "start_load_kv", traced=True, data_path=True, fallback=_failed,
+              keywords=True),
     Operation("wait_for_layer_load", _W, _LAYER, "wait_for_layer_load", traced=True, data_path=True,
               fallback=_nothing, attributes=(attr.LAYER,), describe=_layer),
     Operation("save_kv_layer", _W, _LAYER, "save_kv_layer", traced=True, data_path=True, fallback=_nothing,
-              attributes=(attr.LAYER,), describe=_layer),
+              attributes=(attr.LAYER,), describe=_layer, keywords=True),
     Operation("wait_for_save", _W, _STEP, "wait_for_save", traced=True, data_path=True, fallback=_nothing),
     Operation("finish_forward", _W, _STEP, fallback=_nothing),
     Operation("reset_capture_state", _W, _STEP),

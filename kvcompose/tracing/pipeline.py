@@ -45,13 +45,15 @@ if TYPE_CHECKING:
     from kvcompose.connectors.children import ChildSpec
     from kvcompose.connectors.metadata import LoadPlan
 
-@dataclass(frozen=True)
-class TracedRequest:
+class TracedRequest(NamedTuple):
     """A sampled request in a step, as the workers need it to join its trace."""
 
     request_id: str
     traceparent: str
     new: bool  # its first step: the prompt's KV is saved now
+
+
+_UNSEEN = object()  # a request no child was asked about yet
 
 
 class SpanContextIds(NamedTuple):
@@ -95,7 +97,9 @@ class PipelineTracer:
         self._breaker_template = templates.register("kvcompose.circuit_breaker", {attr.ROLE: role},
                                                     (attr.CONNECTOR_NAME, "state"))
         self._transfer_templates: dict[int, int] = {}  # child index -> template of its transfer spans
-        self._events: list[tuple[str, int, Mapping[str, Any]]] | None = None  # of the traced call running now
+        # Breaker events of the traced call running now (None: none is running); a tuple made only
+        # when an event happens, as a call's span almost never has one.
+        self._events: tuple[tuple[str, int, Mapping[str, Any]], ...] | None = None
         # Scheduler side: every request seen, None when not sampled.
         self._requests: dict[str, _RequestSpan | None] = {}
         self._loaders: dict[str, str] = {}  # traced request id -> name of the child chosen to load it
@@ -140,8 +144,12 @@ class PipelineTracer:
         note_loader = operation == "update_state_after_alloc"
         name = spec.name
 
+        requests = self._requests
+
         def traced(request: Request, *args: Any, **kwargs: Any) -> Any:
-            entry = self._request_span(request)
+            entry = requests.get(request.request_id, _UNSEEN)
+            if entry is _UNSEEN:
+                entry = self._start_request_span(request)
             if entry is None:
                 return call(request, *args, **kwargs)
             result = self._traced_call(template, name, entry.trace_id, entry.span_id, request.request_id, describe,
@@ -193,8 +201,7 @@ class PipelineTracer:
         """Run ``call`` as a span under ``parent_id``: its timing, its failure, what its result says,
         and breaker events that happen during it."""
         span_id = IDS.span_id()
-        events: list[tuple[str, int, Mapping[str, Any]]] = []
-        outer_events, self._events = self._events, events
+        outer_events, self._events = self._events, ()
         outer_call, CURRENT_CALL.ids = CURRENT_CALL.ids, (trace_id, span_id, child_name)
         start = time_ns()
         error_type = values = None
@@ -213,9 +220,9 @@ class PipelineTracer:
         finally:
             end = time_ns()
             CURRENT_CALL.ids = outer_call
-            self._events = outer_events
+            events, self._events = self._events, outer_events
             self._records.append((template, trace_id, span_id, parent_id, start, end, request_id, values, error_type,
-                                  (), tuple(events)))
+                                  (), events))
 
     def _loaded_by(self, index: int) -> Callable[[], list[TracedRequest]]:
         return lambda: [request for request in self._step if self._step_loaders.get(request.request_id) == index]
@@ -225,13 +232,9 @@ class PipelineTracer:
 
     # ---- scheduler side ----
 
-    def _request_span(self, request: Request) -> _RequestSpan | None:
+    def _start_request_span(self, request: Request) -> _RequestSpan | None:
         """The request's span (None when not sampled), started the first time a child is asked about it."""
         req_id = request.request_id
-        try:
-            return self._requests[req_id]
-        except KeyError:
-            pass
         parent = parse_traceparent((request.trace_headers or {}).get("traceparent"))
         trace_id, parent_id, parent_sampled = parent if parent is not None else (IDS.trace_id(), 0, None)
         entry = None
@@ -318,7 +321,7 @@ class PipelineTracer:
         attributes = {attr.CONNECTOR_NAME: connector, "state": state}
         now = time_ns()
         if self._events is not None:
-            self._events.append(("kvcompose.circuit_breaker", now, attributes))
+            self._events += (("kvcompose.circuit_breaker", now, attributes),)
             return
         trace_id = IDS.trace_id()
         if self._sampling.sampled(trace_id, None):
