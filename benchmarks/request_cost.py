@@ -7,12 +7,8 @@ through whole request lives back to back. The figure is this process's CPU time
 (``time.process_time``: every thread; the exporter process and the collector
 are other processes), per request, less MultiConnector's, measured side by side
 in rotating rounds (the best of each).
-
-Twice: with the exporter process stopped while a subject is measured (the
-engine's own cost: on a 2-vCPU machine an exporter busy beside the engine slows
-it down by a third, whatever it works on; see ``exporters_paused``), and with it
-running alongside, as it does in production. The exporter's own CPU per traced
-request is reported apart.
+The exporter process's own CPU per traced request is reported apart (it runs on
+another core; on a 2-vCPU machine a busy neighbour still slows this process).
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from benchmarks.request_life import SUBJECTS, Collector, exporters_paused, live, rotated, subjects
+from benchmarks.request_life import SUBJECTS, Collector, live, rotated, subjects
 from benchmarks.stopwatch import exporter_cpu_s
 
 CHILD_COUNTS = (2, 8)
@@ -34,27 +30,21 @@ def _serve(connector: Any, requests: int, prefix: str) -> float:
     return time.process_time() - start
 
 
-def measure(rounds: int = 7, requests: int = 400, drain_s: float = 0.5) -> list[dict[str, Any]]:
+def measure(rounds: int = 7, requests: int = 400) -> list[dict[str, Any]]:
     rows = []
     with Collector() as sink:
         for children in CHILD_COUNTS:
             served = subjects(children, sink.endpoint)
-            alone = dict.fromkeys(SUBJECTS, float("inf"))
-            alongside = dict.fromkeys(SUBJECTS, float("inf"))
+            best = dict.fromkeys(SUBJECTS, float("inf"))
             exporter = exporter_cpu_s()
             for round_index in range(rounds):
                 for name in rotated(round_index):
-                    with exporters_paused(drain_s):
-                        seconds = _serve(served[name], requests, f"{name}-{children}-{round_index}")
-                    alone[name] = min(alone[name], seconds / requests * 1e6)
-                    seconds = _serve(served[name], requests, f"{name}-{children}-{round_index}-alongside")
-                    alongside[name] = min(alongside[name], seconds / requests * 1e6)
-            exporter_us = (exporter_cpu_s() - exporter) / (2 * rounds * requests) * 1e6
+                    seconds = _serve(served[name], requests, f"{name}-{children}-{round_index}")
+                    best[name] = min(best[name], seconds / requests * 1e6)
+            exporter_us = (exporter_cpu_s() - exporter) / (rounds * requests) * 1e6
             served["kvc_traced"].shutdown()  # the exporter process flushes and exits
-            rows.append({"children": children, "us_per_request": alone,
-                         "extra_us": {name: alone[name] - alone["multi"] for name in SUBJECTS[1:]},
-                         "extra_us_exporter_alongside": {name: alongside[name] - alongside["multi"]
-                                                         for name in SUBJECTS[1:]},
+            rows.append({"children": children, "us_per_request": best,
+                         "extra_us": {name: best[name] - best["multi"] for name in SUBJECTS[1:]},
                          "exporter_us_per_request": exporter_us})
     for row in rows:
         row["sink_exports"], row["sink_bytes"] = sink.exports, sink.bytes
@@ -63,12 +53,9 @@ def measure(rounds: int = 7, requests: int = 400, drain_s: float = 0.5) -> list[
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| children | MultiConnector us/request | kvcompose off: extra us | tracing every request: extra us | "
-             "the same, exporter running alongside | exporter process: us per traced request |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "exporter process: us per traced request |",
+             "| --- | --- | --- | --- | --- |"]
     lines += [f"| {row['children']} | {row['us_per_request']['multi']:.1f} | {row['extra_us']['kvc_off']:+.1f} | "
-              f"{row['extra_us']['kvc_traced']:+.1f} | {row['extra_us_exporter_alongside']['kvc_traced']:+.1f} | "
-              f"{row['exporter_us_per_request']:.0f} |" for row in rows]
+              f"{row['extra_us']['kvc_traced']:+.1f} | {row['exporter_us_per_request']:.0f} |" for row in rows]
     exports = rows[0]["sink_exports"] if rows else 0
-    return "\n".join(lines) + (f"\n\nEngine-process CPU, the exporter process stopped while a subject is measured "
-                               f"(its work would otherwise slow this process down on a small machine); then with "
-                               f"it running alongside. The collector stand-in received {exports} exports.")
+    return "\n".join(lines) + f"\n\nThe collector stand-in received {exports} exports."

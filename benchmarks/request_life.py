@@ -11,19 +11,13 @@ in another process.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from functools import cache
 from types import TracebackType
 from typing import Any
 
 from benchmarks.connectors import kvcompose_connector, multi_connector, pipeline
-from benchmarks.stopwatch import exporter_processes
 from tests.connector_support import make_blocks, make_request, scheduler_output
 
 SUBJECTS = ("multi", "kvc_off", "kvc_traced")
@@ -79,22 +73,3 @@ def live(connector: Any, request_id: str) -> None:
     connector.build_connector_meta(scheduler_output(new=[request], blocks=BLOCK_IDS))
     connector.request_finished(request, BLOCK_IDS)
 
-
-@contextlib.contextmanager
-def exporters_paused(drain_s: float) -> Iterator[None]:
-    """Stop the exporter processes while the block runs, then let them work ``drain_s`` seconds.
-
-    On a small machine an exporter busy beside this process slows it down (shared caches and
-    memory bandwidth: on these 2-vCPU machines a busy neighbour adds ~35% to this process's CPU
-    time), which would charge the exporter's work to the engine's; spans wait in the ring meanwhile.
-    """
-    paused = exporter_processes()
-    for exporter in paused:
-        os.kill(exporter.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for exporter in paused:
-            os.kill(exporter.pid, signal.SIGCONT)
-    if paused:
-        time.sleep(drain_s)

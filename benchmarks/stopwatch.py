@@ -58,7 +58,7 @@ ENGINE = Stopwatch()
 FRONT_END = Stopwatch()
 
 
-def exporter_processes() -> list[Any]:
+def _exporter_processes() -> list[Any]:
     """The span exporter processes this process started, directly or through its engine's processes."""
     import psutil  # a dependency of vLLM
 
@@ -76,7 +76,7 @@ def exporter_cpu_s() -> float:
     import psutil
 
     total = 0.0
-    for exporter in exporter_processes():
+    for exporter in _exporter_processes():
         with contextlib.suppress(psutil.Error):
             times = exporter.cpu_times()
             total += times.user + times.system
