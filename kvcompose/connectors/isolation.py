@@ -56,7 +56,7 @@ from typing import Any
 
 from kvcompose.config import ChildConfig
 from kvcompose.logs import get_logger
-from kvcompose.operations import OPERATIONS, Operation
+from kvcompose.operations import Operation
 from kvcompose.tracing.pipeline import qualified_name
 
 logger = get_logger("isolation")
@@ -193,7 +193,7 @@ class ChildGuard:
             try:
                 yield from result
             except Exception as error:
-                self.failed(operation.name, error)
+                self._failed(operation, error)
 
         return isolated()
 
@@ -208,7 +208,7 @@ class ChildGuard:
             return operation.fallback()  # type: ignore[misc]
         if not self.isolate or operation.fallback is None:
             raise error
-        self.failed(operation.name, error)
+        self._failed(operation, error)
         return operation.fallback()
 
     def _cooled_down(self) -> bool:
@@ -230,23 +230,24 @@ class ChildGuard:
         if self.consecutive_failures.pop(operation, None) is not None and self._on_change is not None:
             self._on_change(self, False)
 
-    def failed(self, operation: str, error: Exception) -> None:
+    def _failed(self, operation: Operation, error: Exception) -> None:
         """Record an isolated failure: log it, report it; a data-path failure counts toward opening
         the circuit."""
-        counts = self._breaker_enabled and OPERATIONS[operation].data_path
+        name = operation.name
+        counts = self._breaker_enabled and operation.data_path
         first = False
         if counts:
-            failures = self.consecutive_failures.get(operation, 0) + 1
-            self.consecutive_failures[operation], first = failures, failures == 1
+            failures = self.consecutive_failures.get(name, 0) + 1
+            self.consecutive_failures[name], first = failures, failures == 1
         self.failures += 1
         self.last_error_type = qualified_name(type(error))
         logger.warning(
-            "child call failed", connector=self.name, op=operation, error_type=type(error).__name__,
-            consecutive_failures=self.consecutive_failures.get(operation, 0), isolated=self.isolate,
+            "child call failed", connector=self.name, op=name, error_type=type(error).__name__,
+            consecutive_failures=self.consecutive_failures.get(name, 0), isolated=self.isolate,
         )
         if self._on_failure is not None:
-            self._on_failure(self.name, operation, error)
-        if counts and (self.state is BreakerState.HALF_OPEN or self.consecutive_failures[operation] >= self._threshold):
+            self._on_failure(self.name, name, error)
+        if counts and (self.state is BreakerState.HALF_OPEN or self.consecutive_failures[name] >= self._threshold):
             self._open()
         elif first and self._on_change is not None:
             self._on_change(self, False)  # its successes report now
