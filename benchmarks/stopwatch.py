@@ -27,8 +27,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvcompose import connectors as kvcompose_connectors
 from kvcompose.operations import CONNECTOR_OPERATIONS
+from kvcompose.tracing import export_process
 
-EXPORT_PROCESS = "kvcompose.tracing.export_process"  # the module each tracing engine process runs
+EXPORT_PROCESS = export_process.__name__  # the module each tracing engine process runs
 
 
 class Stopwatch:

@@ -25,8 +25,9 @@ from typing import Protocol
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from kvcompose.config import TracingSection
-from kvcompose.tracing.records import SpanRecord, Templates, resource_for, to_readable_spans
+from kvcompose.tracing import export_process
 from kvcompose.tracing.export_process import RECORDS_FRAME, TEMPLATES_FRAME
+from kvcompose.tracing.records import SpanRecord, Templates, resource_for, to_readable_spans
 from kvcompose.tracing.ring import CLOSED, DROPPED, QUEUED, READ, Ring
 
 SHUTDOWN_WAIT_S = 2.5  # the exporter process flushes for at most 2 s
@@ -111,7 +112,7 @@ class ProcessShipper:
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "kvcompose.tracing.export_process", self._ring.path],
+            [sys.executable, "-m", export_process.__name__, self._ring.path],
             stdin=subprocess.DEVNULL, env=env, close_fds=True, start_new_session=True,
         )
         atexit.register(self.close)
