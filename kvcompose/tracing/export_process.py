@@ -1,4 +1,4 @@
-"""The exporter process: turns span records into OpenTelemetry spans and exports them.
+"""The exporter process: encodes span records as OpenTelemetry spans and exports them.
 
 Started by :class:`kvcompose.tracing.shipping.ProcessShipper`, one per engine
 process that traces, so that building and encoding spans (most of tracing's
@@ -8,6 +8,10 @@ cost) never runs on the engine's CPU. It polls the engine's :class:`Ring`
 is ``("t", [span templates])`` or ``("r", [span records])`` (see
 :mod:`kvcompose.tracing.records`). It writes the spans it dropped (queue full
 or export failed) and those waiting for export into the ring's counters.
+
+With the OTLP/HTTP exporter, records are encoded by :mod:`kvcompose.tracing.otlp`
+and sent through the exporter's own client; with any other exporter (console,
+or an OTLP exporter without that client) they become SDK spans first.
 
 Spans wait in a bounded queue (:data:`MAX_QUEUED_SPANS`); an unreachable
 collector makes it drop and count, never grow. When the engine closes the ring
@@ -22,7 +26,10 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from kvcompose.tracing.ring import CLOSED, DROPPED, QUEUED, Ring
 
@@ -34,11 +41,69 @@ SHUTDOWN_FLUSH_S = 2.0
 TEMPLATES_FRAME, RECORDS_FRAME = "t", "r"
 
 
+class _Encoding(Protocol):
+    """How this process turns records into what its exporter sends, and sends a batch of them."""
+
+    def add_templates(self, templates: Sequence[Sequence[Any]]) -> None: ...
+
+    def spans(self, records: Sequence[Sequence[Any]]) -> list[Any]: ...
+
+    def export(self, spans: list[Any]) -> bool: ...
+
+
+class _ProtobufEncoding:
+    """Records to serialised OTLP spans, sent as one request per batch by the exporter's client."""
+
+    def __init__(self, send: Callable[[bytes], bool], service_name: str, version: str) -> None:
+        from kvcompose.tracing.otlp import OtlpEncoder
+        from kvcompose.tracing.records import resource_for
+
+        self._send = send
+        self._encoder = OtlpEncoder(resource_for(service_name), version)
+        self.add_templates = self._encoder.add_templates
+        self.spans = self._encoder.spans
+
+    def export(self, spans: list[bytes]) -> bool:
+        return self._send(self._encoder.request(spans))
+
+
+class _SdkEncoding:
+    """Records to SDK ``ReadableSpan`` objects, for any ``SpanExporter``."""
+
+    def __init__(self, exporter: SpanExporter, service_name: str, version: str) -> None:
+        from kvcompose.tracing.records import resource_for
+
+        self._exporter = exporter
+        self._resource = resource_for(service_name)
+        self._version = version
+        self._templates: list[Sequence[Any]] = []
+
+    def add_templates(self, templates: Sequence[Sequence[Any]]) -> None:
+        self._templates += templates
+
+    def spans(self, records: Sequence[Sequence[Any]]) -> list[Any]:
+        from kvcompose.tracing.records import to_readable_spans
+
+        return to_readable_spans(records, self._templates, self._resource, self._version)
+
+    def export(self, spans: list[Any]) -> bool:
+        return self._exporter.export(spans) is SpanExportResult.SUCCESS
+
+
+def _encoding_for(exporter: SpanExporter, service_name: str, version: str) -> _Encoding:
+    from kvcompose.tracing.exporters import protobuf_transport
+
+    if (send := protobuf_transport(exporter)) is not None:
+        return _ProtobufEncoding(send, service_name, version)
+    return _SdkEncoding(exporter, service_name, version)
+
+
 class _Exporting:
     """The bounded queue and the thread that drains it into the exporter."""
 
-    def __init__(self, exporter: Any) -> None:
+    def __init__(self, exporter: SpanExporter, encoding: _Encoding) -> None:
         self._exporter = exporter
+        self._encoding = encoding
         self._queue: deque[Any] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -47,7 +112,16 @@ class _Exporting:
         self._thread = threading.Thread(target=self._run, name="kvcompose-export", daemon=True)
         self._thread.start()
 
-    def add(self, spans: list[Any], unreadable: int = 0) -> None:
+    def receive(self, frame: tuple[str, Sequence[Sequence[Any]]]) -> None:
+        """A frame of templates or of records from the engine."""
+        kind, items = frame
+        if kind == TEMPLATES_FRAME:
+            self._encoding.add_templates(items)
+        else:
+            spans = self._encoding.spans(items)
+            self._add(spans, unreadable=len(items) - len(spans))
+
+    def _add(self, spans: list[Any], unreadable: int) -> None:
         """Queue what fits; count the rest, and ``unreadable`` records, as dropped."""
         with self._lock:
             room = MAX_QUEUED_SPANS - len(self._queue)
@@ -73,10 +147,8 @@ class _Exporting:
                 self._export(batch)
 
     def _export(self, batch: list[Any]) -> None:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
         try:
-            ok = self._exporter.export(batch) is SpanExportResult.SUCCESS
+            ok = self._encoding.export(batch)
         except Exception:
             ok = False
         if not ok:
@@ -95,7 +167,6 @@ class _Exporting:
 
 def main() -> None:
     from kvcompose.tracing.exporters import span_exporter
-    from kvcompose.tracing.records import resource_for, to_readable_spans
 
     ring = Ring.attach(sys.argv[1])
     with contextlib.suppress(OSError):  # both sides have it mapped: no file is left if the engine dies
@@ -103,7 +174,6 @@ def main() -> None:
     engine = os.getppid()
     settings: dict[str, Any] | None = None
     exporting: _Exporting | None = None
-    templates: list[Any] = []
     while True:
         closing = ring.counter(CLOSED) or os.getppid() != engine
         for frame in ring.take():
@@ -112,13 +182,10 @@ def main() -> None:
                 exporter = span_exporter(settings["exporter"], settings["endpoint"])
                 if exporter is None:
                     return
-                resource = resource_for(settings["service_name"])
-                exporting = _Exporting(exporter)
-            elif frame[0] == TEMPLATES_FRAME:
-                templates += frame[1]
-            elif exporting is not None:
-                spans = to_readable_spans(frame[1], templates, resource, settings["version"])
-                exporting.add(spans, unreadable=len(frame[1]) - len(spans))
+                exporting = _Exporting(exporter, _encoding_for(exporter, settings["service_name"], settings["version"]))
+            else:
+                assert exporting is not None  # made from the first frame
+                exporting.receive(frame)
         if exporting is not None:
             ring.set_counter(DROPPED, exporting.dropped)
             ring.set_counter(QUEUED, exporting.queued)
