@@ -30,9 +30,10 @@ ChosenLoader = tuple[int, int, bool]
 
 
 def external_block_ids(blocks: KVCacheBlocks, local_tokens: int, external_tokens: int, block_size: int) -> tuple[int, ...]:
-    """The blocks a load fills: those after the local prefix, in the first KV cache group."""
-    block_ids = blocks.get_block_ids()[0]
-    return tuple(block_ids[local_tokens // block_size : -(-(local_tokens + external_tokens) // block_size)])
+    """The blocks a load fills: those after the local prefix, in the first KV cache group.
+    (Only those are read: ``get_block_ids()`` would convert every block of every group.)"""
+    filled = blocks.blocks[0][local_tokens // block_size : -(-(local_tokens + external_tokens) // block_size)]
+    return tuple(block.block_id for block in filled)
 
 
 class SchedulerLedger:
