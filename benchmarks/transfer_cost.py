@@ -21,13 +21,12 @@ REQUESTS_PER_STEP = 8
 def _metadata(children: int, step: int) -> Any:
     from kvcompose.connectors.metadata import KVComposeMetadata, LoadPlan
     from kvcompose.tracing.pipeline import TracedRequest
-    from kvcompose.tracing.records import traceparent
 
     ids = [f"s{step}-r{index}" for index in range(REQUESTS_PER_STEP)]
     return KVComposeMetadata(
         per_child=(None,) * children, loads={req_id: LoadPlan(0, (1, 2), False) for req_id in ids},
         saves=dict.fromkeys(ids, 2), traced_requests=tuple(
-            TracedRequest(req_id, traceparent(step + 1, index + 1), True) for index, req_id in enumerate(ids)))
+            TracedRequest(req_id, step + 1, index + 1, True) for index, req_id in enumerate(ids)))
 
 
 def _steps(composite: Any, metadata: list[Any]) -> float:

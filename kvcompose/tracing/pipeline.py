@@ -34,7 +34,7 @@ from kvcompose.config import Pipeline
 from kvcompose.logs import CURRENT_CALL
 from kvcompose.operations import OPERATIONS, Describe, Granularity
 from kvcompose.tracing import attributes as attr
-from kvcompose.tracing.records import IDS, SpanRecord, parse_traceparent, traceparent
+from kvcompose.tracing.records import IDS, SpanRecord, parse_traceparent
 from kvcompose.tracing.sampling import Sampling, sampling_for
 from kvcompose.tracing.shipping import SpanShipper, shipper_for
 
@@ -49,11 +49,15 @@ class TracedRequest(NamedTuple):
     """A sampled request in a step, as the workers need it to join its trace."""
 
     request_id: str
-    traceparent: str
+    trace_id: int
+    span_id: int  # of the request's span on the scheduler
     new: bool  # its first step: the prompt's KV is saved now
 
 
 _UNSEEN = object()  # a request no child was asked about yet
+# Breaker events that happen during a traced call, by the call's span id, until the call ends; shared by
+# every tracer of the process, as is CURRENT_CALL. Almost always empty.
+_CALL_EVENTS: dict[int, tuple[tuple[str, int, Mapping[str, Any]], ...]] = {}
 
 
 class SpanContextIds(NamedTuple):
@@ -61,16 +65,12 @@ class SpanContextIds(NamedTuple):
     span_id: int
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestSpan:
     trace_id: int
     span_id: int
     parent_id: int
     start_ns: int
-
-    @property
-    def traceparent(self) -> str:
-        return traceparent(self.trace_id, self.span_id)
 
 
 def qualified_name(error_type: type[BaseException]) -> str:
@@ -97,13 +97,10 @@ class PipelineTracer:
         self._breaker_template = templates.register("kvcompose.circuit_breaker", {attr.ROLE: role},
                                                     (attr.CONNECTOR_NAME, "state"))
         self._transfer_templates: dict[int, int] = {}  # child index -> template of its transfer spans
-        # Breaker events of the traced call running now (None: none is running); a tuple made only
-        # when an event happens, as a call's span almost never has one.
-        self._events: tuple[tuple[str, int, Mapping[str, Any]], ...] | None = None
         # Scheduler side: every request seen, None when not sampled.
         self._requests: dict[str, _RequestSpan | None] = {}
         self._loaders: dict[str, str] = {}  # traced request id -> name of the child chosen to load it
-        self._finished_async: dict[str, str] = {}  # finished requests with async saves -> traceparent
+        self._finished_async: dict[str, _RequestSpan] = {}  # finished requests with async saves
         # Worker side: the bound step.
         self._step: tuple[TracedRequest, ...] = ()
         self._step_loaders: dict[str, int] = {}  # request id -> index of the child loading it
@@ -141,32 +138,35 @@ class PipelineTracer:
     def _request_call(
         self, spec: ChildSpec, operation: str, template: int, describe: Describe | None, call: Callable[..., Any],
     ) -> Callable[..., Any]:
+        """A span per call about a sampled request, under the request's span (request operations take
+        no keyword arguments)."""
         note_loader = operation == "update_state_after_alloc"
         name = spec.name
+        requests, loaders, start_request_span = self._requests, self._loaders, self._start_request_span
+        run_span = self._span_runner(template, name, describe, call)
 
-        requests = self._requests
-
-        def traced(request: Request, *args: Any, **kwargs: Any) -> Any:
+        def traced(*args: Any) -> Any:
+            request = args[0]
             entry = requests.get(request.request_id, _UNSEEN)
             if entry is _UNSEEN:
-                entry = self._start_request_span(request)
+                entry = start_request_span(request)
             if entry is None:
-                return call(request, *args, **kwargs)
-            result = self._traced_call(template, name, entry.trace_id, entry.span_id, request.request_id, describe,
-                                       call, (request, *args), kwargs)
-            if note_loader and args[1] > 0:
-                self._loaders[request.request_id] = spec.name
+                return call(*args)
+            result = run_span(entry.trace_id, entry.span_id, request.request_id, args, None)
+            if note_loader and args[2] > 0:
+                loaders[request.request_id] = name
             return result
 
         return traced
 
     def _step_call(self, template: int, describe: Describe | None, call: Callable[..., Any]) -> Callable[..., Any]:
         name = self._shipper.templates.all[template].attributes[attr.CONNECTOR_NAME]
+        run_span = self._span_runner(template, name, describe, call)
 
         def traced(*args: Any, **kwargs: Any) -> Any:
             if (step := self._step_span) is None:
                 return call(*args, **kwargs)
-            return self._traced_call(template, name, step.trace_id, step.span_id, None, describe, call, args, kwargs)
+            return run_span(step.trace_id, step.span_id, None, args, kwargs)
 
         return traced
 
@@ -194,35 +194,39 @@ class PipelineTracer:
 
         return traced
 
-    def _traced_call(
-        self, template: int, child_name: str, trace_id: int, parent_id: int, request_id: str | None,
-        describe: Describe | None, call: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any],
-    ) -> Any:
-        """Run ``call`` as a span under ``parent_id``: its timing, its failure, what its result says,
-        and breaker events that happen during it."""
-        span_id = IDS.span_id()
-        outer_events, self._events = self._events, ()
-        outer_call, CURRENT_CALL.ids = CURRENT_CALL.ids, (trace_id, span_id, child_name)
-        start = time_ns()
-        error_type = values = None
-        try:
-            result = call(*args, **kwargs)
-        except Exception as error:
-            error_type = qualified_name(type(error))
-            raise
-        else:
-            if describe is not None:
-                try:
-                    values = describe(args, result)
-                except Exception:  # a result of a shape the child should not return: described by nothing
-                    values = None
-            return result
-        finally:
-            end = time_ns()
-            CURRENT_CALL.ids = outer_call
-            events, self._events = self._events, outer_events
-            self._records.append((template, trace_id, span_id, parent_id, start, end, request_id, values, error_type,
-                                  (), events))
+    def _span_runner(
+        self, template: int, child_name: str, describe: Describe | None, call: Callable[..., Any],
+    ) -> Callable[[int, int, str | None, tuple[Any, ...], dict[str, Any] | None], Any]:
+        """``run(trace_id, parent_id, request_id, args, kwargs)``: ``call`` as a span under ``parent_id``,
+        with its timing, its failure, what its result says and the breaker events that happen during it.
+        Runs on every traced call: everything it can look up is looked up here, once."""
+        record, random_bits, current = self._records.append, IDS.random_bits, CURRENT_CALL
+
+        def run(trace_id: int, parent_id: int, request_id: str | None, args: tuple[Any, ...],
+                kwargs: dict[str, Any] | None) -> Any:
+            span_id = random_bits(64) or 1
+            outer_call, current.ids = current.ids, (trace_id, span_id, child_name)
+            start = time_ns()
+            error_type = values = None
+            try:
+                result = call(*args, **kwargs) if kwargs else call(*args)
+            except Exception as error:
+                error_type = qualified_name(type(error))
+                raise
+            else:
+                if describe is not None:
+                    try:
+                        values = describe(args, result)
+                    except Exception:  # a result of a shape the child should not return: described by nothing
+                        values = None
+                return result
+            finally:
+                end = time_ns()
+                current.ids = outer_call
+                record((template, trace_id, span_id, parent_id, start, end, request_id, values, error_type, (),
+                        _CALL_EVENTS.pop(span_id, ()) if _CALL_EVENTS else ()))
+
+        return run
 
     def _loaded_by(self, index: int) -> Callable[[], list[TracedRequest]]:
         return lambda: [request for request in self._step if self._step_loaders.get(request.request_id) == index]
@@ -235,7 +239,8 @@ class PipelineTracer:
     def _start_request_span(self, request: Request) -> _RequestSpan | None:
         """The request's span (None when not sampled), started the first time a child is asked about it."""
         req_id = request.request_id
-        parent = parse_traceparent((request.trace_headers or {}).get("traceparent"))
+        headers = request.trace_headers
+        parent = parse_traceparent(headers.get("traceparent")) if headers else None
         trace_id, parent_id, parent_sampled = parent if parent is not None else (IDS.trace_id(), 0, None)
         entry = None
         if self._sampling.sampled(trace_id, parent_sampled):
@@ -253,7 +258,7 @@ class PipelineTracer:
         self._records.append((self._request_template, entry.trace_id, entry.span_id, entry.parent_id, entry.start_ns,
                               time_ns(), req_id, (loader,), None, (), ()))
         if saves_async:
-            self._finished_async[req_id] = entry.traceparent
+            self._finished_async[req_id] = entry
         if not self._requests:  # an idle engine schedules no step that would ship these
             self.flush()
 
@@ -264,14 +269,18 @@ class PipelineTracer:
         ``moving``, or finished with saves still running), for the workers. Ships the records of the
         step just ended."""
         self.flush()
-        new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
-        traced = [
-            TracedRequest(req_id, entry.traceparent, req_id in new_ids)
-            for req_id in new_ids.union(loads or (), moving)
-            if (entry := self._requests.get(req_id)) is not None
-        ]
-        traced += [TracedRequest(req_id, parent, False) for req_id, parent in self._finished_async.items()]
-        self._finished_async.clear()
+        requests = self._requests
+        new_ids = [new.req_id for new in scheduler_output.scheduled_new_reqs]
+        traced = [TracedRequest(req_id, entry.trace_id, entry.span_id, True)
+                  for req_id in new_ids if (entry := requests.get(req_id)) is not None]
+        if loads or moving:
+            others = set(loads or ()).union(moving).difference(new_ids)
+            traced += [TracedRequest(req_id, entry.trace_id, entry.span_id, False)
+                       for req_id in others if (entry := requests.get(req_id)) is not None]
+        if self._finished_async:
+            traced += [TracedRequest(req_id, entry.trace_id, entry.span_id, False)
+                       for req_id, entry in self._finished_async.items()]
+            self._finished_async.clear()
         return tuple(traced) or None
 
     # ---- worker side ----
@@ -281,11 +290,9 @@ class PipelineTracer:
         if not requests:
             return
         self._step_loaders = {req_id: plan.child for req_id, plan in (loads or {}).items()}
-        for request in requests:
-            parsed = parse_traceparent(request.traceparent)
-            if parsed is not None:
-                self._step_contexts[request.request_id] = SpanContextIds(parsed[0], parsed[1])
-        self._step = tuple(request for request in requests if request.request_id in self._step_contexts)
+        self._step_contexts.update((request.request_id, SpanContextIds(request.trace_id, request.span_id))
+                                   for request in requests)
+        self._step = requests
         if self._step_spans:
             self._step_span = SpanContextIds(IDS.trace_id(), IDS.span_id())
             self._step_start = time_ns()
@@ -320,8 +327,9 @@ class PipelineTracer:
         """A ``kvcompose.circuit_breaker`` event on the traced call running now, or on a span of its own."""
         attributes = {attr.CONNECTOR_NAME: connector, "state": state}
         now = time_ns()
-        if self._events is not None:
-            self._events += (("kvcompose.circuit_breaker", now, attributes),)
+        if (running := CURRENT_CALL.ids) is not None:
+            span_id = running[1]
+            _CALL_EVENTS[span_id] = (*_CALL_EVENTS.get(span_id, ()), ("kvcompose.circuit_breaker", now, attributes))
             return
         trace_id = IDS.trace_id()
         if self._sampling.sampled(trace_id, None):
@@ -329,8 +337,9 @@ class PipelineTracer:
                                   (connector, state), None, (), (("kvcompose.circuit_breaker", now, attributes),)))
 
     def flush(self) -> None:
-        if self._records:
-            records, self._records = self._records, []
+        if self._records:  # emptied in place: the span runners hold its append
+            records = self._records.copy()
+            self._records.clear()
             self._shipper.ship(records)
 
     def telemetry(self) -> tuple[int, int]:

@@ -93,20 +93,17 @@ class IdSource:
     def __init__(self) -> None:
         self._random = random.Random(os.urandom(32))
         os.register_at_fork(after_in_child=lambda: self._random.seed(os.urandom(32)))
+        # The generator's own method, for hot paths: ``random_bits(64) or 1`` is a span id.
+        self.random_bits = self._random.getrandbits
 
     def span_id(self) -> int:
-        return self._random.getrandbits(64) or 1
+        return self.random_bits(64) or 1
 
     def trace_id(self) -> int:
         return self._random.getrandbits(128) or 1
 
 
 IDS = IdSource()
-
-
-def traceparent(trace_id: int, span_id: int) -> str:
-    """A W3C traceparent header value for a sampled span."""
-    return f"00-{trace_id:032x}-{span_id:016x}-01"
 
 
 def parse_traceparent(value: str | None) -> tuple[int, int, bool] | None:

@@ -12,8 +12,9 @@ every request is traced (``parentbased_always_on``, the SDK's default).
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvcompose.logs import get_logger
 
@@ -26,13 +27,18 @@ _TRACE_ID_LOW_BITS = (1 << 64) - 1
 class Sampling:
     parent_based: bool  # a request's caller decides when it sent a traceparent
     root_ratio: float  # share of the other requests that are traced
+    # TraceIdRatioBased's rule: a root is sampled when the low 64 bits of its trace id are under
+    # ratio * 2^64; kept as an int, as comparing an int with a float costs more.
+    _bound: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_bound", math.ceil(self.root_ratio * (1 << 64)))
 
     def sampled(self, trace_id: int, parent_sampled: bool | None) -> bool:
         """``parent_sampled``: the caller's flag, or None when the request has no traceparent."""
         if self.parent_based and parent_sampled is not None:
             return parent_sampled
-        # TraceIdRatioBased's rule: the low 64 bits of the trace id under ratio * 2^64.
-        return (trace_id & _TRACE_ID_LOW_BITS) < self.root_ratio * (1 << 64)
+        return (trace_id & _TRACE_ID_LOW_BITS) < self._bound
 
 
 _ENV_SAMPLERS = {
