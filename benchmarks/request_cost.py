@@ -16,8 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from benchmarks.request_life import SUBJECTS, Collector, live, rotated, subjects
-from benchmarks.stopwatch import exporter_cpu_s
+from benchmarks.request_life import SUBJECTS, Collector, caught_up_exporter_cpu_s, live, rotated, subjects, warm_up
 
 CHILD_COUNTS = (2, 8)
 
@@ -30,30 +29,18 @@ def _serve(connector: Any, requests: int, prefix: str) -> float:
     return time.process_time() - start
 
 
-def _caught_up_exporter_cpu_s(timeout_s: float = 10.0) -> float:
-    """The exporter processes' CPU seconds once they have caught up with what they were sent (it stops
-    growing): read at once, it would miss the batches still waiting in the ring."""
-    deadline, last = time.monotonic() + timeout_s, exporter_cpu_s()
-    while time.monotonic() < deadline:
-        time.sleep(0.3)
-        if (now := exporter_cpu_s()) - last < 0.005:
-            return now
-        last = now
-    return last
-
-
 def measure(rounds: int = 7, requests: int = 400) -> list[dict[str, Any]]:
     rows = []
     with Collector() as sink:
         for children in CHILD_COUNTS:
             served = subjects(children, sink.endpoint)
             best = dict.fromkeys(SUBJECTS, float("inf"))
-            exporter = exporter_cpu_s()
+            exporter = warm_up(served, f"{children}")
             for round_index in range(rounds):
                 for name in rotated(round_index):
                     seconds = _serve(served[name], requests, f"{name}-{children}-{round_index}")
                     best[name] = min(best[name], seconds / requests * 1e6)
-            exporter_us = (_caught_up_exporter_cpu_s() - exporter) / (rounds * requests) * 1e6
+            exporter_us = (caught_up_exporter_cpu_s() - exporter) / (rounds * requests) * 1e6
             served["kvc_traced"].shutdown()  # the exporter process flushes and exits
             rows.append({"children": children, "us_per_request": best,
                          "extra_us": {name: best[name] - best["multi"] for name in SUBJECTS[1:]},

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from functools import cache
 from types import TracebackType
 from typing import Any
 
 from benchmarks.connectors import kvcompose_connector, multi_connector, pipeline
+from benchmarks.stopwatch import exporter_cpu_s
 from tests.connector_support import make_blocks, make_request, scheduler_output
 
 SUBJECTS = ("multi", "kvc_off", "kvc_traced")
 BLOCK_IDS = [1, 2, 3]
+WARM_UP = 20  # request lives per subject first: first calls import, and the exporter process starts
 
 
 class Collector:
@@ -73,3 +76,25 @@ def live(connector: Any, request_id: str) -> None:
     connector.build_connector_meta(scheduler_output(new=[request], blocks=BLOCK_IDS))
     connector.request_finished(request, BLOCK_IDS)
 
+
+
+def caught_up_exporter_cpu_s(timeout_s: float = 10.0) -> float:
+    """The exporter processes' CPU seconds once they have caught up with what they were sent (it stops
+    growing): read at once, it would miss the batches still waiting in the ring."""
+    deadline, last = time.monotonic() + timeout_s, exporter_cpu_s()
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        if (now := exporter_cpu_s()) - last < 0.005:
+            return now
+        last = now
+    return last
+
+
+def warm_up(served: dict[str, Any], prefix: str) -> float:
+    """:data:`WARM_UP` lives through each subject, then wait for the exporter process to have started
+    (its imports cost about a second of CPU, not to be charged to the requests measured next);
+    returns its CPU seconds so far."""
+    for name, connector in served.items():
+        for index in range(WARM_UP):
+            live(connector, f"{prefix}-{name}-warm-up-{index}")
+    return caught_up_exporter_cpu_s()

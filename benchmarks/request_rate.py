@@ -22,13 +22,12 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.request_life import SUBJECTS, Collector, live, rotated, subjects
+from benchmarks.request_life import SUBJECTS, Collector, live, rotated, subjects, warm_up
 from benchmarks.stopwatch import exporter_cpu_s
 
 RATES = (100, 1000)  # requests/s
 CHILDREN = 2
 SECONDS = 2.5  # per subject, rate and round
-WARM_UP = 20  # request lives per subject first: first calls import, and the exporter process starts
 
 
 def _sleep_until(due: float) -> None:
@@ -67,9 +66,7 @@ def measure(rounds: int = 3, seconds: float = SECONDS) -> list[dict[str, Any]]:
     with Collector() as sink:
         served = subjects(CHILDREN, sink.endpoint)
         try:
-            for name, connector in served.items():
-                for index in range(WARM_UP):
-                    live(connector, f"{name}-warm-up-{index}")
+            warm_up(served, "rate")
             rows = [_at_rate(served, rate, rounds, seconds) for rate in RATES]
         finally:
             served["kvc_traced"].shutdown()  # the exporter process flushes and exits
