@@ -26,7 +26,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans, Span, SpanFlags, 
 from opentelemetry.sdk.resources import Resource
 
 from kvcompose.tracing.attributes import ERROR_TYPE, REQUEST_ID
-from kvcompose.tracing.records import SCOPE_NAME, SpanRecord, SpanTemplate
+from kvcompose.tracing.records import SCOPE_NAME, SpanTemplate
 
 # Field numbers of the length-delimited fields a batch is framed with (opentelemetry-proto).
 _REQUEST_RESOURCE_SPANS = 1  # ExportTraceServiceRequest.resource_spans
@@ -61,6 +61,9 @@ def _varint(value: int) -> bytes:
 def _framed(field_number: int, payload: bytes) -> bytes:
     """One length-delimited field: its tag, the payload's length, the payload."""
     return _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(len(payload)) + payload
+
+
+_SPAN_FIELD_TAG = _varint(_SCOPE_SPANS_SPANS << 3 | _LENGTH_DELIMITED)
 
 
 def _any_value(value: Any) -> AnyValue:
@@ -110,40 +113,42 @@ class OtlpEncoder:
             self._templates.append((fixed.SerializeToString(), template.keys))
 
     def spans(self, records: Iterable[Sequence[Any]]) -> list[bytes]:
-        """Each record's serialised ``Span``; a record of a template not (yet) known is left out."""
+        """Each record's ``Span``, serialised and framed as a field of a ``ScopeSpans``; a record of a
+        template not (yet) known is left out."""
         templates = self._templates
         spans = []
-        for fields in records:
-            record = SpanRecord(*fields)
-            if record.template >= len(templates):
+        # The fields of a SpanRecord, unpacked at once: making each one a SpanRecord costs more than encoding it.
+        for (template, trace_id, span_id, parent_id, start_ns, end_ns, request_id, values, error_type, links,
+             events) in records:
+            if template >= len(templates):
                 continue
-            fixed, keys = templates[record.template]
-            parts = [fixed, _TRACE_ID_TAG, record.trace_id.to_bytes(16, "big"),
-                     _SPAN_ID_TAG, record.span_id.to_bytes(8, "big")]
-            if record.parent_id:
-                parts += (_PARENT_ID_TAG, record.parent_id.to_bytes(8, "big"))
-            parts += (_START_TAG, _FIXED64.pack(record.start_ns), _END_TAG, _FIXED64.pack(record.end_ns))
-            if record.request_id is not None:
-                parts.append(_attribute(REQUEST_ID, record.request_id))
-            if record.values:
-                parts += [_attribute(key, value) for key, value in zip(keys, record.values) if value is not None]
-            if record.error_type is None:
+            fixed, keys = templates[template]
+            parts = [fixed, _TRACE_ID_TAG, trace_id.to_bytes(16, "big"), _SPAN_ID_TAG, span_id.to_bytes(8, "big"),
+                     _START_TAG, _FIXED64.pack(start_ns), _END_TAG, _FIXED64.pack(end_ns)]
+            if parent_id:
+                parts += (_PARENT_ID_TAG, parent_id.to_bytes(8, "big"))
+            if request_id is not None:
+                parts.append(_attribute(REQUEST_ID, request_id))
+            if values:
+                parts += [_attribute(key, value) for key, value in zip(keys, values) if value is not None]
+            if error_type is None:
                 parts.append(_UNSET_STATUS)
             else:
-                parts += (_attribute(ERROR_TYPE, record.error_type), _error_status(record.error_type))
-            if record.events or record.links:
+                parts += (_attribute(ERROR_TYPE, error_type), _error_status(error_type))
+            if events or links:
                 parts.append(Span(
-                    events=[Span.Event(name=name, time_unix_nano=time_ns, attributes=_key_values(values.items()))
-                            for name, time_ns, values in record.events],
-                    links=[Span.Link(trace_id=trace_id.to_bytes(16, "big"), span_id=span_id.to_bytes(8, "big"),
-                                     flags=_REMOTE) for trace_id, span_id in record.links],
+                    events=[Span.Event(name=name, time_unix_nano=time_ns, attributes=_key_values(attributes.items()))
+                            for name, time_ns, attributes in events],
+                    links=[Span.Link(trace_id=linked_trace.to_bytes(16, "big"), span_id=linked_span.to_bytes(8, "big"),
+                                     flags=_REMOTE) for linked_trace, linked_span in links],
                 ).SerializeToString())
-            spans.append(b"".join(parts))
+            span = b"".join(parts)
+            spans.append(_SPAN_FIELD_TAG + _varint(len(span)) + span)
         return spans
 
     def request(self, spans: Sequence[bytes]) -> bytes:
-        """The ``ExportTraceServiceRequest`` of serialised spans, as bytes."""
-        scope_spans = self._scope_field + b"".join(_framed(_SCOPE_SPANS_SPANS, span) for span in spans)
+        """The ``ExportTraceServiceRequest`` of spans from :meth:`spans`, as bytes."""
+        scope_spans = self._scope_field + b"".join(spans)
         resource_spans = self._resource_field + _framed(_RESOURCE_SPANS_SCOPE_SPANS, scope_spans)
         return _framed(_REQUEST_RESOURCE_SPANS, resource_spans)
 
