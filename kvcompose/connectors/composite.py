@@ -175,6 +175,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         load_end = (transfers.layer_waited,) if transfers is not None and transfers.waits_for_loads else ()
         self._layer_loads, self._layer_saves = tuple(loads) + load_end, tuple(saves)
         self._layer_owners = {**loads, **saves}
+        self._load_end_bound = bool(load_end)  # for this step only
 
     def _layer_call_failed(self, call: Callable[..., Any], operation: str, error: Exception) -> None:
         """A per-layer call raised: isolated (a failed load's blocks go back to vLLM), or raised again."""
@@ -269,10 +270,11 @@ class KVComposeConnector(KVConnectorBase_V1):
             child.clear_connector_metadata()
         super().clear_connector_metadata()
         self._worker_ledger.end_step()
-        self._saves_stopped = False
-        self._bind_layer_calls()
         if self._transfers is not None:
             self._transfers.end_step()
+        if self._saves_stopped or self._load_end_bound:  # back to every step's layer calls
+            self._saves_stopped = False
+            self._bind_layer_calls()
         self._tracing.end_step()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
