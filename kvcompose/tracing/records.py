@@ -72,6 +72,8 @@ class Templates:
 
     def unshipped(self) -> list[tuple[Any, ...]]:
         """Templates registered and not yet marked shipped, as plain tuples."""
+        if self._shipped == len(self.all):  # almost always, once the process runs
+            return []
         return [tuple(template) for template in self.all[self._shipped:]]
 
     def mark_shipped(self) -> None:

@@ -37,6 +37,7 @@ class Ring:
         self.path = path
         self._map = mapped
         self._size = len(mapped) - HEADER_BYTES
+        self._written = self.counter(WRITTEN)  # the writer's own count, kept here: only it changes it
 
     @classmethod
     def create(cls, directory: str, data_bytes: int = DEFAULT_DATA_BYTES) -> Ring:
@@ -68,12 +69,19 @@ class Ring:
     def append(self, value: Any) -> bool:
         """Append one frame; False (nothing written) when the ring has no room for it."""
         payload = marshal.dumps(value)
-        frame = _LENGTH.pack(len(payload)) + payload
-        written = self.counter(WRITTEN)
-        if len(frame) > self._size - (written - self.counter(READ)):
+        size = _LENGTH.size + len(payload)
+        written = self._written
+        if size > self._size - (written - self.counter(READ)):
             return False
-        self._copy_in(written % self._size, frame)
-        self.set_counter(WRITTEN, written + len(frame))
+        at = written % self._size
+        if at + size <= self._size:  # the usual case: the frame does not wrap, and is written in place
+            start = HEADER_BYTES + at
+            _LENGTH.pack_into(self._map, start, len(payload))
+            self._map[start + _LENGTH.size:start + size] = payload
+        else:
+            self._copy_in(at, _LENGTH.pack(len(payload)) + payload)
+        self._written = written + size
+        self.set_counter(WRITTEN, self._written)
         return True
 
     def _copy_in(self, at: int, data: bytes) -> None:
