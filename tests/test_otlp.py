@@ -62,3 +62,20 @@ def test_the_otlp_exporter_sends_encoded_requests_through_its_own_client() -> No
     assert [span.name for span in received] == ["kvcompose.request"] + ["kvcompose.lookup"] * 3
     assert {span.service for span in received} == {"svc"}
     assert protobuf_transport(span_exporter("console", None)) is None
+
+
+def test_any_other_exporter_is_given_sdk_spans_in_the_exporter_process() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvcompose.tracing.export_process import RECORDS_FRAME, TEMPLATES_FRAME, _encoding_for, _Exporting
+
+    exporter = InMemorySpanExporter()
+    exporting = _Exporting(exporter, _encoding_for(exporter, "svc", "0"))
+    records = _records()
+    exporting.receive((TEMPLATES_FRAME, TEMPLATES))
+    exporting.receive((RECORDS_FRAME, records))
+    exporting.close()
+
+    spans = exporter.get_finished_spans()
+    assert [span.context.span_id for span in spans] == [SpanRecord(*record).span_id for record in records[:-1]]
+    assert exporting.dropped == 1  # the record of a template it was never sent
