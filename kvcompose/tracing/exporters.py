@@ -30,13 +30,14 @@ def traces_url(endpoint: str) -> str:
 def protobuf_transport(exporter: SpanExporter) -> Callable[[bytes], bool] | None:
     """Send an already encoded OTLP request through ``exporter``'s own HTTP client, or None.
 
-    Recent releases of opentelemetry-python's OTLP/HTTP exporter (1.45 is what
-    kvcompose is tested with) keep its transport (endpoint, headers, TLS, compression and retries, configured from
-    its arguments and the ``OTEL_EXPORTER_OTLP_*`` variables) in a private
-    client whose ``export`` takes the request's bytes. Handing it the bytes that
-    :mod:`kvcompose.tracing.otlp` encodes keeps every one of those settings and
-    skips the SDK's encoder. Any other exporter, or a release without that
-    client, is given SDK spans instead (None here).
+    Recent releases of opentelemetry-python's OTLP/HTTP exporter (kvcompose is
+    tested with 1.45) keep its transport (endpoint, headers, TLS, compression
+    and retries, configured from its arguments and the ``OTEL_EXPORTER_OTLP_*``
+    variables) in a private client whose ``export`` takes the request's bytes.
+    Handing it the bytes that :mod:`kvcompose.tracing.otlp` encodes keeps every
+    one of those settings and skips the SDK's encoder. Any other exporter, or a
+    release without that client, is given SDK spans instead (None here);
+    ``test_otlp`` fails if the installed release lost it.
     """
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
