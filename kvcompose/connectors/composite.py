@@ -123,6 +123,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._saves_stopped = False  # a load failed this step: no layer saves until it ends
         observed = self.pipeline.metrics.enabled or self.pipeline.tracing.enabled
         self._note_saves = observed and role is KVConnectorRole.SCHEDULER
+        self._reports_span_telemetry = self.pipeline.metrics.enabled and self.pipeline.tracing.enabled
         # Scheduler side: children whose transfers are jobs in their metadata (their requests join the step's trace).
         self._job_children = [c.index for c in self.children if self.pipeline.tracing.enabled
                               and completion_mode(c.spec.connector_cls) == "jobs"]
@@ -400,8 +401,8 @@ class KVComposeConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """kvcompose's per-child call stats plus each child's own stats, since the last call."""
         calls = self._recorder.take()  # None, or a table of at least one call
-        transfers = self._transfer_recorder.take()
-        telemetry = self._span_telemetry()
+        transfers = self._transfer_recorder.take() if self._transfers is not None else None  # only its tracker records
+        telemetry = self._span_telemetry() if self._reports_span_telemetry else None
         breakers = {child.name: report for child, guard in zip(self.children, self._guards, strict=True)
                     if (report := guard.take_report()) is not None}
         native = {child.name: NativeStats(child.class_path, child_stats) for child in self.children
@@ -412,9 +413,7 @@ class KVComposeConnector(KVConnectorBase_V1):
                                     BREAKERS_KEY: breakers, NATIVE_KEY: native})
 
     def _span_telemetry(self) -> TelemetryCounters | None:
-        """Spans this process dropped since the last report, and those waiting for export (when tracing)."""
-        if not (self.pipeline.metrics.enabled and self.pipeline.tracing.enabled):
-            return None
+        """Spans this process dropped since the last report, and those waiting for export."""
         dropped, queued = self._tracing.telemetry()
         return TelemetryCounters(dropped, queued) if dropped or queued else None
 
