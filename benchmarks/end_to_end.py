@@ -66,6 +66,8 @@ RATIOS = (
 )
 ROUND_FIGURES = ("tokens_per_s", "tokens_per_cpu_s", "ttft_ms")
 CONNECTOR_COST = ("connector_us_per_token", "exporter_us_per_token")  # per round, summed
+BY_CALL = "connector_us_per_token_by_call"  # the connector's time per output token, by the call vLLM made
+BY_CALL_SHOWN = 6  # the calls where kvcompose's time differs most from MultiConnector's
 STOPWATCH_MODULE = "benchmarks.stopwatch"  # the same connectors, on the benchmark's stopwatch
 STOP_TIMEOUT_S = 120  # an unreachable tracing endpoint holds the engine's shutdown for its final flush
 STORES_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else None
@@ -168,9 +170,14 @@ def measure(rounds: int = 16, configurations: tuple[str, ...] = CONFIGURATIONS) 
 def summarize(rounds: list[dict[str, dict[str, float]]], stopped: dict[str, dict[str, float]]) -> dict[str, Any]:
     """Per configuration: medians over rounds and the memory at the end; ratios: medians of per-round ratios."""
     names = [name for name in CONFIGURATIONS if name in rounds[0]]
-    medians = {name: {**{key: statistics.median(measured[name][key] for measured in rounds) for key in rounds[0][name]},
+    medians = {name: {**{key: statistics.median(measured[name][key] for measured in rounds)
+                         for key, value in rounds[0][name].items() if not isinstance(value, dict)},
                       **stopped[name]}
                for name in names}
+    for name in names:
+        calls = {call for measured in rounds for call in measured[name].get(BY_CALL, {})}
+        medians[name][BY_CALL] = {call: statistics.median(measured[name].get(BY_CALL, {}).get(call, 0.0)
+                                                          for measured in rounds) for call in sorted(calls)}
     ratios = {}
     for label, subject, baseline in RATIOS:
         if subject in names and baseline in names:
@@ -192,6 +199,22 @@ def _from_cost(subject: dict[str, float], baseline: dict[str, float]) -> float:
     return us_per_token / (us_per_token - _cost(baseline) + _cost(subject))
 
 
+def _by_call_table(medians: dict[str, dict[str, Any]]) -> list[str]:
+    """Where the connector's time goes: the calls where kvcompose (tracing off) and MultiConnector differ most."""
+    if "multi" not in medians or "kvc_off" not in medians:
+        return []
+    multi, kvcompose = medians["multi"][BY_CALL], medians["kvc_off"][BY_CALL]
+    calls = sorted(set(multi) | set(kvcompose), key=lambda call: kvcompose.get(call, 0.0) - multi.get(call, 0.0),
+                   reverse=True)[:BY_CALL_SHOWN]
+    names = [name for name in ("multi", "kvc_off", "kvc_step") if name in medians]
+    lines = ["", "Connector us per output token by call (median of rounds), where kvc_off and multi differ most:", "",
+             "| call | " + " | ".join(names) + " |", "|" + " --- |" * (len(names) + 1)]
+    for call in calls:
+        lines.append(f"| {call} | " + " | ".join(f"{medians[name][BY_CALL].get(call, 0.0):.1f}" for name in names)
+                     + " |")
+    return lines
+
+
 def _middle_half(values: list[float]) -> tuple[float, float]:
     """The first and third quartiles."""
     quartiles = statistics.quantiles(values, n=4)
@@ -208,6 +231,7 @@ def table(result: dict[str, Any]) -> str:
                      f"{figures['exporter_us_per_token']:.1f} | {figures['front_end_us_per_token']:.1f} | "
                      f"{figures['rss_growth_mib']:.1f} | "
                      f"{figures['peak_rss_mib']:.0f} | {figures['shutdown_s']:.1f} |")
+    lines += _by_call_table(result["medians"])
     exported = result["exported"]
     lines += ["", f"Spans exported to the collector stand-in: {exported['requests']} requests, "
               f"{exported['bytes'] / 1024:.0f} KiB.", ""]

@@ -75,11 +75,12 @@ class MeasuredEngine:
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return self._llm.generate(prompts, sampling, use_tqdm=False)
 
-    def round(self) -> dict[str, float]:
+    def round(self) -> dict[str, Any]:
         ttft_s = [self._generate([self._new()], 1)[0].metrics.first_token_latency for _ in range(TTFT_PROMPTS)]
         repeated = self._seen[-(BATCH // 2):]
         prompts = repeated + [self._new() for _ in range(BATCH - len(repeated))]
-        ENGINE.seconds = FRONT_END.seconds = 0.0
+        ENGINE.reset()
+        FRONT_END.reset()
         began, began_cpu = time.perf_counter(), time.process_time()
         outputs = self._generate(prompts, OUTPUT_TOKENS)
         elapsed, elapsed_cpu = time.perf_counter() - began, time.process_time() - began_cpu
@@ -89,6 +90,8 @@ class MeasuredEngine:
         return {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / elapsed_cpu,
                 "ttft_ms": 1000 * statistics.median(ttft_s),
                 "connector_us_per_token": 1e6 * ENGINE.seconds / tokens,
+                "connector_us_per_token_by_call": {call: 1e6 * seconds / tokens
+                                                   for call, seconds in ENGINE.by_call.items()},
                 "front_end_us_per_token": 1e6 * FRONT_END.seconds / tokens,
                 "exporter_us_per_token": 1e6 * exporter_s / (tokens + TTFT_PROMPTS)}
 

@@ -33,13 +33,20 @@ EXPORT_PROCESS = export_process.__name__  # the module each tracing engine proce
 
 
 class Stopwatch:
-    """Seconds spent in timed calls in this process since the last reset."""
+    """Seconds spent in timed calls in this process since the last reset, in all and by call."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.by_call: dict[str, float] = {}
         self.running = False
 
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self.by_call = {}
+
     def time(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        name = call.__name__
+
         @functools.wraps(call)
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self.running:
@@ -49,7 +56,9 @@ class Stopwatch:
             try:
                 return call(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                self.seconds += seconds
+                self.by_call[name] = self.by_call.get(name, 0.0) + seconds
                 self.running = False
 
         return timed

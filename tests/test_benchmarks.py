@@ -106,10 +106,11 @@ def test_end_to_end_configurations_are_valid_kv_transfer_configs(name: str, tmp_
 
 
 def test_end_to_end_summary_takes_ratios_within_each_round() -> None:
-    def figures(tokens_per_s: float, connector_us: float = 0.0) -> dict[str, float]:
+    def figures(tokens_per_s: float, connector_us: float = 0.0) -> dict[str, Any]:
         return {"tokens_per_s": tokens_per_s, "tokens_per_cpu_s": tokens_per_s, "ttft_ms": 1000 / tokens_per_s,
                 "connector_us_per_token": connector_us, "exporter_us_per_token": connector_us / 2,
-                "front_end_us_per_token": 1000.0}  # left out of the cost: another process under vllm serve
+                "front_end_us_per_token": 1000.0,  # left out of the cost: another process under vllm serve
+                end_to_end.BY_CALL: {"save_kv_layer": connector_us / 4, "get_kv_connector_stats": tokens_per_s / 10}}
 
     # The connectors cost 300 us per token under MultiConnector (200 in calls, 100 exporting) and 600 with step tracing.
     rounds = [
@@ -134,6 +135,9 @@ def test_end_to_end_summary_takes_ratios_within_each_round() -> None:
     checks = {check.target: check for check in targets.end_to_end_checks(result)}
     assert [check.met for check in checks.values()] == [True, True, True, True, True]
     assert "| kvc_step / multi | 0.980 | " in end_to_end.table(result)
+    # Per call: the median over rounds of each call's time (get_kv_connector_stats: 10, 5 and 20 under multi).
+    assert result["medians"]["multi"][end_to_end.BY_CALL] == {"get_kv_connector_stats": 10.0, "save_kv_layer": 50.0}
+    assert "| get_kv_connector_stats | 10.0 | 10.0 | 9.8 |" in end_to_end.table(result)
 
 
 def test_otlp_sink_accepts_a_real_export() -> None:
