@@ -31,6 +31,8 @@ from typing import Any, Protocol
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from kvcompose.tracing.exporters import protobuf_transport, span_exporter
+from kvcompose.tracing.records import resource_for, to_readable_spans
 from kvcompose.tracing.ring import CLOSED, DROPPED, QUEUED, Ring
 
 MAX_QUEUED_SPANS = 4096
@@ -55,8 +57,7 @@ class _ProtobufEncoding:
     """Records to serialised OTLP spans, sent as one request per batch by the exporter's client."""
 
     def __init__(self, send: Callable[[bytes], bool], service_name: str, version: str) -> None:
-        from kvcompose.tracing.otlp import OtlpEncoder
-        from kvcompose.tracing.records import resource_for
+        from kvcompose.tracing.otlp import OtlpEncoder  # protobuf: loaded in the exporter process only
 
         self._send = send
         self._encoder = OtlpEncoder(resource_for(service_name), version)
@@ -71,8 +72,6 @@ class _SdkEncoding:
     """Records to SDK ``ReadableSpan`` objects, for any ``SpanExporter``."""
 
     def __init__(self, exporter: SpanExporter, service_name: str, version: str) -> None:
-        from kvcompose.tracing.records import resource_for
-
         self._exporter = exporter
         self._resource = resource_for(service_name)
         self._version = version
@@ -82,8 +81,6 @@ class _SdkEncoding:
         self._templates += templates
 
     def spans(self, records: Sequence[Sequence[Any]]) -> list[Any]:
-        from kvcompose.tracing.records import to_readable_spans
-
         return to_readable_spans(records, self._templates, self._resource, self._version)
 
     def export(self, spans: list[Any]) -> bool:
@@ -91,8 +88,6 @@ class _SdkEncoding:
 
 
 def _encoding_for(exporter: SpanExporter, service_name: str, version: str) -> _Encoding:
-    from kvcompose.tracing.exporters import protobuf_transport
-
     if (send := protobuf_transport(exporter)) is not None:
         return _ProtobufEncoding(send, service_name, version)
     return _SdkEncoding(exporter, service_name, version)
@@ -166,8 +161,6 @@ class _Exporting:
 
 
 def main() -> None:
-    from kvcompose.tracing.exporters import span_exporter
-
     ring = Ring.attach(sys.argv[1])
     with contextlib.suppress(OSError):  # both sides have it mapped: no file is left if the engine dies
         os.unlink(sys.argv[1])
