@@ -44,6 +44,8 @@ except ImportError:  # pragma: no cover - depends on how PyYAML was built
 MAX_FILE_BYTES = 1024 * 1024
 MAX_NODES = 20_000
 MAX_DEPTH = 64
+# How libyaml names its own nesting limit (1000 levels, in the libyaml of the PyYAML 6.0.4 wheels).
+_LIBYAML_TOO_DEEP = "exceeded maximum nesting depth"
 
 LineMap = dict[FieldPath, int]
 
@@ -95,6 +97,8 @@ def read_pipeline_source(path: Path) -> PipelineDocument:
         raise PipelineConfigError([Problem((), f"malformed YAML/JSON: {error.reason}")], label) from None
     except yaml.MarkedYAMLError as error:
         line = error.problem_mark.line + 1 if error.problem_mark is not None else None
+        if error.problem == _LIBYAML_TOO_DEEP:  # its scanner looks ahead of our bound in flow collections
+            raise PipelineConfigError([_too_deep(line)], label) from None
         raise PipelineConfigError([Problem((), f"malformed YAML/JSON: {error.problem}", line)], label) from None
     if root is None:
         return PipelineDocument(None, label, {(): 1})
