@@ -20,6 +20,7 @@ import yaml
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from kvcompose.connectors.isolation import BreakerState
 from kvcompose.logs import ROOT_LOGGER
 from kvcompose.metrics.summary import summarize
 from kvcompose.testing.tiny_model import prompt_words
@@ -116,7 +117,20 @@ class _Lines(logging.Handler):
 
 
 def test_the_circuit_breaker_opens_and_closes_again(faulty: FaultyEngine, expected: list[list[int]]) -> None:
-    """The breaker opens under the faults, and once the tier recovers its probe closes the circuit."""
+    """The breaker opens under the faults, and once the tier recovers its probe closes the circuit.
+
+    It may have opened during the test before: on a fast machine a whole round runs within one cool-down,
+    so whether an opening happens while this test watches is a matter of speed. The metric says it did."""
+
+    def opened() -> bool:
+        return faulty.metrics()["flaky"].breaker_opens > 0
+
+    for _ in range(6):  # the faults are seeded draws: give the breaker a few rounds to open
+        if opened():
+            break
+        assert [tokens for tokens, _ in generate(faulty.llm, PROMPTS)] == expected
+    assert opened()
+
     log = _Lines()
     logging.getLogger(ROOT_LOGGER).addHandler(log)
 
@@ -125,25 +139,26 @@ def test_the_circuit_breaker_opens_and_closes_again(faulty: FaultyEngine, expect
                 for state in ("open", "half_open", "closed") if f"state={state}" in line}
 
     try:
-        for _ in range(6):  # the faults are seeded draws: give the breaker a few rounds to open
-            assert [tokens for tokens, _ in generate(faulty.llm, PROMPTS)] == expected
-            if "open" in transitions():
-                break
-        assert "open" in transitions()
         faulty.inject({})  # the tier recovers
         for _ in range(6):  # after the cool-down, a probe goes through, succeeds and closes the circuit
             time.sleep(BREAKER["cooldown_s"])
             assert [tokens for tokens, _ in generate(faulty.llm, PROMPTS)] == expected
-            if transitions() == {"open", "half_open", "closed"}:
+            if {"half_open", "closed"} <= transitions() and _all_closed(faulty):
                 break
     finally:
         faulty.inject(FAULTS)
         logging.getLogger(ROOT_LOGGER).removeHandler(log)
-    assert transitions() == {"open", "half_open", "closed"}
-    assert faulty.metrics()["flaky"].breaker_opens > 0
+    assert {"half_open", "closed"} <= transitions()
+    assert _all_closed(faulty)
     events = {event.attributes["state"] for span in faulty.spans.get_finished_spans() for event in span.events
               if event.name == "kvcompose.circuit_breaker"}
     assert "open" in events
+
+
+def _all_closed(faulty: FaultyEngine) -> bool:
+    """Every circuit of the engine is closed, on the scheduler and on the worker."""
+    return all(guard.state is BreakerState.CLOSED
+               for side in (faulty.scheduler_side, faulty.worker_side) for guard in side._guards)
 
 
 def test_a_soak_leaves_no_per_request_state_behind(faulty: FaultyEngine) -> None:
