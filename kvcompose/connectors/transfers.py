@@ -160,6 +160,11 @@ class TransferTracker:
                 self._start_jobs(child, child_metadata)
 
     @property
+    def saves_open(self) -> bool:
+        """True when the step has sync saves, which its ``wait_for_save`` completes."""
+        return bool(self._step_saves)
+
+    @property
     def waits_for_loads(self) -> bool:
         """True when the step has sync loads, whose end :meth:`layer_waited` marks."""
         return bool(self._step_loads)
