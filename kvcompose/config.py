@@ -138,7 +138,7 @@ class MetricsSection(_Section):
         "1 us per call and child). Off, the step-level start_load_kv and wait_for_save are timed.",
     )
     sample_every: Annotated[int, Field(ge=1)] = Field(
-        16,
+        32,
         description="Time one call in this many of each operation (and every call after the engine was idle); "
         "every call is counted either way. 1 times every call.",
     )

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvcompose.config import DEFAULT_LATENCY_BUCKETS
 from kvcompose.metrics import recorder as recorder_module
-from kvcompose.metrics.recorder import PipelineRecorder, bucket_latencies
+from kvcompose.metrics.recorder import OperationSampler, PipelineRecorder, fold_timed_calls
 from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
 from kvcompose.metrics.summary import quantile
 from kvcompose.metrics import table as table_module
@@ -142,19 +142,21 @@ def test_stats_of_another_kvcompose_version_are_refused_with_a_reason() -> None:
 
 def test_buckets_follow_prometheus_le() -> None:
     cells: dict[int, list[Any]] = {}
-    bucket_latencies([(0, seconds, 1) for seconds in (0.0005, 0.001, 0.002, 0.1, 5.0)], BOUNDS, into=cells)
+    fold_timed_calls([(0, seconds) for seconds in (0.0005, 0.001, 0.002, 0.1, 5.0)], BOUNDS, cells)
     assert {cell: count for cell, (count, _) in cells.items()} == {0: 2, 1: 1, 2: 1, 3: 1}
     assert [cells[cell][1] for cell in range(4)] == pytest.approx([0.0015, 0.002, 0.1, 5.0])
-    bucket_latencies([(1, 0.05, 1)], BOUNDS, into=cells)  # the next slot's cells follow
+    fold_timed_calls([(1, 0.05)], BOUNDS, cells)  # the next slot's cells follow
     assert cells[len(BOUNDS) + 1 + 2] == [1, 0.05]
 
 
-def test_a_timed_call_counts_as_many_calls_as_its_weight() -> None:
+def test_a_timed_call_counts_as_many_calls_as_its_sampled_call_stands_for() -> None:
     cells: dict[int, list[Any]] = {}
-    latest: dict[int, tuple[int, float]] = {}
-    bucket_latencies([(0, 0.002, 16), (0, 0.05, 3)], BOUNDS, into=cells, latest=latest)
-    assert cells == {1: [16, pytest.approx(0.032)], 2: [3, pytest.approx(0.15)]}
-    assert latest == {0: (2, 0.05)}  # where the calls after the last timed one will be credited
+    samplers = [OperationSampler(0, 16, [], lambda: None), OperationSampler(1, 16, [], lambda: None)]
+    entries = [(-1, 16, 0), (0, 0.002), (1, 0.05), (-1, 3, 1), (0, 0.05)]
+    fold_timed_calls(entries, BOUNDS, cells, samplers)
+    assert cells == {1: [16, pytest.approx(0.032)], 2: [3, pytest.approx(0.15)], 4 + 2: [16, pytest.approx(0.8)]}
+    # Each sampled call's children, and their cells: where the calls after it will be credited.
+    assert samplers[0].last_call == [(0, 1, 0.002), (1, 6, 0.05)] and samplers[1].last_call == [(0, 2, 0.05)]
 
 
 def test_quantile_interpolates_like_histogram_quantile() -> None:
@@ -223,7 +225,7 @@ def test_pending_latencies_are_folded_before_they_pile_up(monkeypatch: pytest.Mo
     sampler = recorder.sampler(OPERATIONS["wait_for_save"])
     wait = _timed(recorder, "hot", "wait_for_save", lambda: None)
     for _ in range(20):
-        recorder.begin_sampled_call(sampler, counted=False)
+        sampler.begin(counted=False)
         wait()
     assert len(recorder._pending) <= 8  # folded twice on the way
     assert recorder.take().call_count("hot", "wait_for_save") == 20
@@ -316,7 +318,7 @@ def test_calls_from_two_threads_are_counted_exactly(monkeypatch: pytest.MonkeyPa
     def work(child: str) -> None:
         for i in range(calls):
             if i % 64 == 0:
-                recorder.begin_sampled_call(sampler, counted=False)  # folds what piled up
+                sampler.begin(counted=False)  # folds what piled up
             waits[child]()
             if i % 100 == 0:
                 with pytest.raises(Failing) as failure:

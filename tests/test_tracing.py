@@ -180,7 +180,7 @@ def test_tracing_off_wraps_nothing(vllm_config_with: Callable, exporter: Any) ->
     assert scheduler._instrumentation is None and worker._instrumentation is None
     assert exporter.get_finished_spans() == ()
     hot = worker.children[0]
-    assert worker._calls.current.save_kv_layer[0] == hot.connector.save_kv_layer  # the child's own bound method
+    assert worker._calls.save_kv_layer[0] == hot.connector.save_kv_layer  # the child's own bound method
     assert "wait_for_save" not in vars(worker)  # the composite's own method, not wrapped
 
 

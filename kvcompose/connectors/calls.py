@@ -15,11 +15,11 @@ observers read from every call's result), and isolation for the isolated
 operations off the data path (see :mod:`kvcompose.connectors.isolation`). With
 nothing to add, a call is the child's own bound method.
 
-Which variant the composite calls is chosen per operation (:meth:`ChildCalls.select`)
-by the instrumentation (:mod:`kvcompose.connectors.instrumentation`): plain,
-unless a call is sampled for timing or belongs to a traced request or step. A
-call that raised is traced back to its child by :meth:`ChildCalls.owner`, on
-the failure path only.
+The composite calls the plain variant (``current``), unless the
+instrumentation (:mod:`kvcompose.connectors.instrumentation`) puts another in
+its place for one call: one sampled for timing, or about a traced request or
+step. A call that raised is traced back to its child by :meth:`ChildCalls.owner`,
+on the failure path only.
 """
 
 from __future__ import annotations
@@ -74,7 +74,6 @@ class ChildCalls:
         if self._wrappers.traced is not None:
             variants.append(Variant.TRACED)
         self._variants = {variant: Fanout() for variant in variants}
-        self._selected: dict[str, Variant] = {}  # operations whose current variant is not plain
         self._owners: dict[str, dict[Callable[..., Any], Child]] = {}  # operation -> its calls' children
         # ... as they were before the last rebuild: a call can change its own breaker's state, and with it how
         # its child's calls are made, before it raises (a half-open circuit's probe).
@@ -104,24 +103,18 @@ class ChildCalls:
             self._rebuild_operation(OPERATIONS["save_kv_layer"])
 
     def set_layer_load_marker(self, marker: Callable[[str], None] | None) -> None:
-        if marker is not self._layer_load_marker:
-            self._layer_load_marker = marker
-            self._rebuild_operation(OPERATIONS["wait_for_layer_load"])
+        """Call ``marker`` (None: nothing) after the loaders' waits of every layer, from now on."""
+        previous, self._layer_load_marker = self._layer_load_marker, marker
+        if marker is previous:
+            return
+        for fanout in self._variants.values():  # once or twice a step: no rebuild
+            calls = fanout.wait_for_layer_load[:-1] if previous is not None else fanout.wait_for_layer_load
+            fanout.wait_for_layer_load = calls + (marker,) if marker is not None else calls
+        self.current.wait_for_layer_load = self._variants[Variant.PLAIN].wait_for_layer_load
 
-    # ---- choosing a variant ----
-
-    def select(self, operation: str, variant: Variant) -> None:
-        """Call ``variant`` of the operation's calls from now on (plain where that variant is not made)."""
-        if variant not in self._variants:
-            variant = Variant.PLAIN
-        if variant is Variant.PLAIN:
-            self._selected.pop(operation, None)
-        else:
-            self._selected[operation] = variant
-        setattr(self.current, operation, getattr(self._variants[variant], operation))
-
-    def selected(self, operation: str) -> Variant:
-        return self._selected.get(operation, Variant.PLAIN)
+    def fanout(self, variant: Variant) -> Fanout:
+        """The calls of ``variant`` (the plain ones where that variant is not made); rebuilt in place."""
+        return self._variants.get(variant, self._variants[Variant.PLAIN])
 
     # ---- making the calls ----
 
@@ -149,7 +142,7 @@ class ChildCalls:
             if name == "wait_for_layer_load" and self._layer_load_marker is not None:
                 calls.append(self._layer_load_marker)
             setattr(fanout, name, tuple(calls))
-        setattr(self.current, name, getattr(self._variants[self.selected(name)], name))
+        setattr(self.current, name, getattr(self._variants[Variant.PLAIN], name))
 
     def _takes_part(self, child: Child, operation: Operation) -> bool:
         if (operation.children == "loaders" and not child.load) or (operation.children == "savers" and not child.save):

@@ -4,7 +4,7 @@ Load from one child (chosen by the pipeline's load policy; ``first_match`` is
 MultiConnector's rule), save to every child with ``save: true``, and forward or
 aggregate every other method of ``KVConnectorBase_V1`` the way MultiConnector
 does. This module holds the forwarding logic only. Each loop iterates the
-operation's calls (``self._calls.current.<operation>``, see
+operation's calls (``self._calls.<operation>``, see
 :mod:`kvcompose.connectors.calls`), catches a data-path child's failure itself
 and asks the child's guard what it answers (see
 :mod:`kvcompose.connectors.isolation`). Metrics, tracing and transfer
@@ -75,6 +75,7 @@ _START_LOAD, _WAIT_FOR_SAVE = _OPS["start_load_kv"], _OPS["wait_for_save"]
 _LAYER_LOAD, _LAYER_SAVE = _OPS["wait_for_layer_load"], _OPS["save_kv_layer"]
 _TRANSFER_RESULTS, _LOAD_ERRORS = _OPS["get_transfer_results"], _OPS["get_block_ids_with_load_errors"]
 _FINISHED, _FINISHED_ALL_GROUPS = _OPS["request_finished"], _OPS["request_finished_all_groups"]
+_NO_MATCH = (0, False)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,8 +107,9 @@ class KVComposeConnector(KVConnectorBase_V1):
             guard.half_open_at_step_start = role is KVConnectorRole.WORKER
         self.children = [Child(spec, construct_child(spec, role, kv_cache_config), self._guards[spec.index])
                          for spec in specs]
-        self._calls = ChildCalls(self.children, self._instrumentation.call_wrappers()
-                                 if self._instrumentation is not None else None)
+        self._child_calls = ChildCalls(self.children, self._instrumentation.call_wrappers()
+                                       if self._instrumentation is not None else None)
+        self._calls = self._child_calls.current  # per operation, the calls its loop makes
         # The children's indices, in the order they answer lookups.
         self._loaders = tuple(child.index for child in self.children if child.load)
         policy = self.pipeline.load.policy
@@ -118,6 +120,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         shape = PipelineShape.of(self.pipeline.name, (c.spec for c in self.children), hma_enabled)
         self._pairing = PairingCheck(shape)  # a prefill/decode pair's pipelines must match
         self._scheduler_ledger = SchedulerLedger(vllm_config.cache_config.block_size, self._loaders)
+        self._lookup_rounds = self._scheduler_ledger.rounds  # written on every lookup
         self._steps = 0  # scheduler side: metadata built so far
         self._worker_ledger = WorkerLedger()
         logger.info(
@@ -127,20 +130,20 @@ class KVComposeConnector(KVConnectorBase_V1):
             tracing=self.pipeline.tracing.granularity if self.pipeline.tracing.enabled else "off",
         )
         if self._instrumentation is not None:
-            self._instrumentation.attach(self, self._calls, self._scheduler_ledger)
+            self._instrumentation.attach(self, self._child_calls, self._scheduler_ledger)
 
     def _guard_changed(self, guard: ChildGuard, state_changed: bool) -> None:
-        self._calls.rebuild(self.children[self._guards.index(guard)])
+        self._child_calls.rebuild(self.children[self._guards.index(guard)])
         if state_changed and self._instrumentation is not None:
             self._instrumentation.breaker_changed(guard.name, guard.state.name.lower())
 
     def _answer(self, operation: Operation, call: Callable[..., Any], error: Exception) -> Any:
         """What the child whose ``call`` raised ``error`` answers (or ``error`` raised again: see its guard)."""
-        return self._calls.owner(operation, call).guard.answer(operation, error)
+        return self._child_calls.owner(operation, call).guard.answer(operation, error)
 
     def _load_failed(self, operation: Operation, call: Callable[..., Any], error: Exception) -> None:
         """A loader's ``call`` raised: once its guard has answered, its loads go back to vLLM."""
-        child = self._calls.owner(operation, call)
+        child = self._child_calls.owner(operation, call)
         child.guard.answer(operation, error)
         self._fail_loads(child.index)
 
@@ -152,8 +155,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         """A failed synchronous load means this step's forward reads blocks that
         were never filled: what it saves would poison the other tiers, so no
         child saves a layer until the step ends."""
-        if self._calls.layer_saves and any(not plan.load_async for plan in plans):
-            self._calls.layer_saves = False
+        if self._child_calls.layer_saves and any(not plan.load_async for plan in plans):
+            self._child_calls.layer_saves = False
             logger.warning("layer saves skipped for this step after a failed load",
                            connector=sorted({self.children[plan.child].name for plan in plans}))
 
@@ -186,11 +189,11 @@ class KVComposeConnector(KVConnectorBase_V1):
     # ==============================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for register in self._calls.current.register_kv_caches:
+        for register in self._calls.register_kv_caches:
             register(kv_caches)
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
-        for set_ops in self._calls.current.set_host_xfer_buffer_ops:
+        for set_ops in self._calls.set_host_xfer_buffer_ops:
             set_ops(copy_operation)
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
@@ -208,34 +211,34 @@ class KVComposeConnector(KVConnectorBase_V1):
         for guard in self._guards:
             guard.step_started()
         self._loads_failed(self._worker_ledger.begin_step(connector_metadata))
-        binds = self._calls.current.bind_connector_metadata
+        binds = self._calls.bind_connector_metadata
         for bind, metadata in zip(binds, connector_metadata.per_child, strict=True):
             if bind(metadata) is FAILED:
-                self._fail_loads(self._calls.owner(_BIND, bind).index)
+                self._fail_loads(self._child_calls.owner(_BIND, bind).index)
         super().bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
-        for clear in self._calls.current.clear_connector_metadata:
+        for clear in self._calls.clear_connector_metadata:
             clear()
         super().clear_connector_metadata()
         self._worker_ledger.end_step()
-        self._calls.layer_saves = True  # back to every step's layer saves
+        self._child_calls.layer_saves = True  # back to every step's layer saves
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVComposeMetadata)
-        handles = self._calls.current.handle_preemptions
+        handles = self._calls.handle_preemptions
         for handle, metadata in zip(handles, kv_connector_metadata.per_child, strict=True):
             handle(metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        for start_load in self._calls.current.start_load_kv:
+        for start_load in self._calls.start_load_kv:
             try:
                 start_load(forward_context, **kwargs)
             except Exception as error:
                 self._load_failed(_START_LOAD, start_load, error)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        for wait in self._calls.current.wait_for_layer_load:
+        for wait in self._calls.wait_for_layer_load:
             try:
                 wait(layer_name)
             except Exception as error:
@@ -244,25 +247,25 @@ class KVComposeConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        for save in self._calls.current.save_kv_layer:
+        for save in self._calls.save_kv_layer:
             try:
                 save(layer_name, kv_layer, attn_metadata, **kwargs)
             except Exception as error:
                 self._answer(_LAYER_SAVE, save, error)
 
     def wait_for_save(self) -> None:
-        for wait in self._calls.current.wait_for_save:
+        for wait in self._calls.wait_for_save:
             try:
                 wait()
             except Exception as error:
                 self._answer(_WAIT_FOR_SAVE, wait, error)
 
     def finish_forward(self) -> None:
-        for finish in self._calls.current.finish_forward:
+        for finish in self._calls.finish_forward:
             finish()
 
     def reset_capture_state(self) -> None:
-        for reset in self._calls.current.reset_capture_state:
+        for reset in self._calls.reset_capture_state:
             reset()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -274,7 +277,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         last async saver reports it. A child that failed gives up what it owes:
         its saves count as done, its receives as failed (vLLM recomputes)."""
         results = KVConnectorTransferResults()
-        for index, get_results in enumerate(self._calls.current.get_transfer_results):
+        for index, get_results in enumerate(self._calls.get_transfer_results):
             try:
                 child_results = get_results(finished_req_ids)
             except Exception as error:
@@ -288,7 +291,7 @@ class KVComposeConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The children's failed blocks, plus those of loads kvcompose gave back for a failed child."""
         failed: set[int] = set()
-        for index, get_errors in enumerate(self._calls.current.get_block_ids_with_load_errors):
+        for index, get_errors in enumerate(self._calls.get_block_ids_with_load_errors):
             try:
                 child_failed = get_errors()
             except Exception as error:
@@ -303,7 +306,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         return failed | load_errors
 
     def get_finished_count(self) -> int | None:
-        counts = [count() for count in self._calls.current.get_finished_count]
+        counts = [count() for count in self._calls.get_finished_count]
         if any(count is None for count in counts):
             return None
         distinct = set(counts)
@@ -313,13 +316,13 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """The first child's handshake metadata that is not None."""
-        for get_metadata in self._calls.current.get_handshake_metadata:
+        for get_metadata in self._calls.get_handshake_metadata:
             if (metadata := get_metadata()) is not None:
                 return metadata
         return None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        per_child = tuple(build() for build in self._calls.current.build_connector_worker_meta)
+        per_child = tuple(build() for build in self._calls.build_connector_worker_meta)
         if all(metadata is None for metadata in per_child):
             return None
         return KVComposeWorkerMetadata(per_child=per_child)
@@ -328,7 +331,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         """Each child's own stats and its breaker's report, and (with metrics on) kvcompose's tables, since
         the last call."""
         native = {child.name: NativeStats(child.class_path, child_stats) for child, get_stats
-                  in zip(self.children, self._calls.current.get_kv_connector_stats, strict=True)
+                  in zip(self.children, self._calls.get_kv_connector_stats, strict=True)
                   if (child_stats := get_stats()) is not None and not child_stats.is_empty()}
         breakers = {guard.name: report for guard in self._guards if (report := guard.take_report()) is not None}
         tables = self._instrumentation.take_tables() if self._instrumentation is not None else None
@@ -341,11 +344,11 @@ class KVComposeConnector(KVConnectorBase_V1):
     # ==============================
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
-        for bind in self._calls.current.bind_kv_cache_manager:
+        for bind in self._calls.bind_kv_cache_manager:
             bind(kv_cache_manager)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        for bind in self._calls.current.bind_gpu_block_pool:
+        for bind in self._calls.bind_gpu_block_pool:
             bind(gpu_block_pool)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -353,30 +356,30 @@ class KVComposeConnector(KVConnectorBase_V1):
             self._pairing.check(request.kv_transfer_params)
         answers = []  # every loader is asked, as MultiConnector does, so each sees the request's lookup
         first = None  # position of the first answer with tokens: MultiConnector's rule (first_match)
-        for lookup in self._calls.current.get_num_new_matched_tokens:
+        for lookup in self._calls.get_num_new_matched_tokens:
             try:
                 answer = lookup(request, num_computed_tokens)
             except Exception as error:
                 answer = self._answer(_LOOKUP, lookup, error)
-            if answer[0] is None:  # still looking: the whole answer is "ask again later"
+            if (tokens := answer[0]) is None:  # still looking: the whole answer is "ask again later"
                 return None, False
-            if first is None and answer[0] > 0:
+            if first is None and tokens > 0:
                 first = len(answers)
             answers.append(answer)
         chosen = first if self._choose_loader is None else self._choose_loader(answers)
-        self._scheduler_ledger.rounds[request.request_id] = (answers, chosen, num_computed_tokens)
-        return (0, False) if chosen is None else answers[chosen]
+        self._lookup_rounds[request.request_id] = (answers, chosen, num_computed_tokens)
+        return _NO_MATCH if chosen is None else answers[chosen]
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         loader = self._scheduler_ledger.loader_of(request.request_id)
         if loader is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
-        return self._calls.current.get_external_cache_hit_sources[loader](request, num_external_tokens)
+        return self._calls.get_external_cache_hit_sources[loader](request, num_external_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         loader = self._scheduler_ledger.loader_of(request.request_id)
         assert loader is not None, "vLLM asks only about requests a child loads"
-        return self._calls.current.get_loaded_kv_cache_group_ids[loader](request)
+        return self._calls.get_loaded_kv_cache_group_ids[loader](request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The loading child gets the external token count; every other child
@@ -384,7 +387,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         planned for the workers, or cancelled if the loading child failed."""
         loading = self._scheduler_ledger.loader_of(request.request_id) if num_external_tokens > 0 else None
         accepted = True
-        for index, update in enumerate(self._calls.current.update_state_after_alloc):
+        for index, update in enumerate(self._calls.update_state_after_alloc):
             try:
                 update(request, blocks, num_external_tokens if index == loading else 0)
             except Exception as error:
@@ -394,14 +397,14 @@ class KVComposeConnector(KVConnectorBase_V1):
             self._scheduler_ledger.plan_load(request.request_id, blocks, num_external_tokens, accepted)
 
     def on_new_request(self, request: Request) -> None:
-        for on_new in self._calls.current.on_new_request:
+        for on_new in self._calls.on_new_request:
             on_new(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVComposeMetadata:
         """Each child's metadata, and what the workers need to repair failures.
         A child that fails here sends none, and its planned loads are cancelled."""
         per_child = []
-        for index, build in enumerate(self._calls.current.build_connector_meta):
+        for index, build in enumerate(self._calls.build_connector_meta):
             child_metadata = build(scheduler_output)
             if child_metadata is FAILED:
                 child_metadata = None
@@ -417,7 +420,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         composite_meta = connector_output.kv_connector_worker_meta
         assert composite_meta is None or isinstance(composite_meta, KVComposeWorkerMetadata)
         try:
-            for index, update in enumerate(self._calls.current.update_connector_output):
+            for index, update in enumerate(self._calls.update_connector_output):
                 if composite_meta is not None:
                     connector_output.kv_connector_worker_meta = composite_meta.per_child[index]
                 update(connector_output)
@@ -425,13 +428,13 @@ class KVComposeConnector(KVConnectorBase_V1):
             connector_output.kv_connector_worker_meta = composite_meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._finish_request(request, block_ids, self._calls.current.request_finished, _FINISHED)
+        return self._finish_request(request, block_ids, self._calls.request_finished, _FINISHED)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """HMA variant of ``request_finished`` (only called when every child supports HMA)."""
-        return self._finish_request(request, block_ids, self._calls.current.request_finished_all_groups,
+        return self._finish_request(request, block_ids, self._calls.request_finished_all_groups,
                                     _FINISHED_ALL_GROUPS)
 
     def _finish_request(
@@ -468,31 +471,31 @@ class KVComposeConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]
     ) -> bool:
         accepted = [register(request, block_ids, partial_tail_offloads)
-                    for register in self._calls.current.register_finished_partial_tail]
+                    for register in self._calls.register_finished_partial_tail]
         return any(accepted)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        for take in self._calls.current.take_events:
+        for take in self._calls.take_events:
             yield from take()
 
     def has_pending_block_frees(self) -> bool:
-        return any(pending() for pending in self._calls.current.has_pending_block_frees)
+        return any(pending() for pending in self._calls.has_pending_block_frees)
 
     def has_pending_push_work(self) -> bool:
-        return any(pending() for pending in self._calls.current.has_pending_push_work)
+        return any(pending() for pending in self._calls.has_pending_push_work)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        for set_metadata in self._calls.current.set_xfer_handshake_metadata:
+        for set_metadata in self._calls.set_xfer_handshake_metadata:
             set_metadata(metadata)
 
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
-        for set_metadata in self._calls.current.set_xfer_handshake_metadata_pp_aware:
+        for set_metadata in self._calls.set_xfer_handshake_metadata_pp_aware:
             set_metadata(metadata)
 
     def reset_cache(self) -> bool:
-        results = [reset() is not False for reset in self._calls.current.reset_cache]
+        results = [reset() is not False for reset in self._calls.reset_cache]
         return all(results)
 
     def shutdown(self) -> None:

@@ -18,8 +18,8 @@ What the wrappers do:
 - Scheduler side: an admitted request's lookup round is counted; a finished
   request's span ends; each step's metadata carries the sampled requests and
   the new requests' saves to the workers, and asks them to flush their stats
-  when the step runs no forward pass. The recorder flushes when no admitted
-  request is left.
+  when the step runs no forward pass. Its own stats are flushed then too, and
+  whenever no admitted request is left.
 - Worker side: around each step, the transfer tracker opens and ends transfers
   (:mod:`kvcompose.connectors.transfers`); the step's calls are chosen when it
   is bound (traced, or counted down) and set back when it is cleared.
@@ -110,13 +110,15 @@ class Instrumentation:
                               if tracing.enabled and completion_mode(spec.connector_cls) == "jobs"]
         self._admitted: set[str] = set()  # scheduler side: admitted requests not finished yet
         self._step = 0  # worker side: the bound step's number (load errors are counted by it)
-        self._flush_at_take = False  # worker side: the bound step asks for the stats to be flushed
+        self._flush_at_take = False  # the next stats are flushed (a step without a forward pass)
         self._composite: KVComposeConnector | None = None
         self._calls: ChildCalls | None = None
         self._ledger: SchedulerLedger | None = None
         self._forwards: dict[str, Callable[..., Any]] = {}  # method -> the composite's own, bound
         self._untraced_step: dict[str, Callable[..., Any]] = {}  # worker: method -> what a step calls
         self._traced_step: dict[str, Callable[..., Any]] = {}  # ... a step that moves a sampled request's KV
+        self._traced_differs: list[str] = []  # worker: methods whose traced step's call differs
+        self._step_installed: list[str] = []  # worker: methods the bound step calls differently
 
     # ---- the children's calls ----
 
@@ -214,21 +216,21 @@ class Instrumentation:
 
     def _run_as(self, operation: Operation, variant: Variant, counted: bool,
                 forward: Callable[..., Any]) -> Callable[..., Any]:
-        """``forward`` calling ``variant`` of the operation's child calls; a timed operation's sampler is told
-        (``counted``: its countdown counted the call)."""
+        """``forward`` calling ``variant`` of the operation's child calls instead of the plain ones; a timed
+        operation's sampler is told (``counted``: its countdown counted the call)."""
         calls, recorder, name = self._calls, self.recorder, operation.name
         assert calls is not None
+        current, chosen, plain = calls.current, calls.fanout(variant), calls.fanout(Variant.PLAIN)
         sampler = recorder.sampler(operation)
 
         def run(*args: Any, **kwargs: Any) -> Any:
             if sampler is not None:
-                recorder.begin_sampled_call(sampler, counted)
-            previous = calls.selected(name)
-            calls.select(name, variant)
+                sampler.begin(counted)
+            setattr(current, name, getattr(chosen, name))
             try:
                 return forward(*args, **kwargs)
-            finally:
-                calls.select(name, previous)
+            finally:  # the plain calls as they are made now: a breaker may have changed them meanwhile
+                setattr(current, name, getattr(plain, name))
 
         return run
 
@@ -286,9 +288,9 @@ class Instrumentation:
         return update_state_after_alloc
 
     def _finishing(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        """request_finished: the request's span ends, whatever the children answered; once no admitted
-        request is left, the stats are flushed."""
-        recorder, tracer, admitted = self.recorder, self.tracer, self._admitted
+        """request_finished: the request's span ends, whatever the children answered. (Once no admitted
+        request is left, the next stats are flushed: see :meth:`take_tables`.)"""
+        tracer, admitted = self.tracer, self._admitted
 
         def request_finished(request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
             saves_async = False
@@ -299,15 +301,13 @@ class Instrumentation:
             finally:
                 tracer.request_finished(request, saves_async=saves_async)
                 admitted.discard(request.request_id)
-                if not admitted:
-                    recorder.flush()
 
         return request_finished
 
     def _building_metadata(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """build_connector_meta: what the workers need to track transfers and join traces, and whether they
         flush their stats."""
-        recorder, tracer, job_children = self.recorder, self.tracer, self._job_children
+        tracer, job_children = self.tracer, self._job_children
 
         def build_connector_meta(scheduler_output: Any) -> KVComposeMetadata:
             metadata = call(scheduler_output)
@@ -316,8 +316,7 @@ class Instrumentation:
             moving = job_requests(metadata.per_child[index] for index in job_children) if job_children else ()
             metadata.traced_requests = tracer.step_requests(scheduler_output, metadata.loads, moving)
             if not scheduler_output.total_num_scheduled_tokens:  # no forward pass: idle, or waiting
-                metadata.flush_stats = True
-                recorder.flush()
+                metadata.flush_stats = self._flush_at_take = True
             return metadata
 
         return build_connector_meta
@@ -335,6 +334,8 @@ class Instrumentation:
             self._untraced_step[name] = self._with_tracker(name, untraced)
             self._traced_step[name] = self._with_tracker(name, traced)
             self._install(name, self._untraced_step[name])
+            if traced is not untraced:
+                self._traced_differs.append(name)
         self._install("bind_connector_metadata", self._binding(self._forwards["bind_connector_metadata"]))
         self._install("clear_connector_metadata", self._clearing(self._forwards["clear_connector_metadata"]))
 
@@ -363,15 +364,16 @@ class Instrumentation:
             self._step, self._flush_at_take = metadata.step, metadata.flush_stats
             bind(metadata)
             if traced:  # the step moves a sampled request's KV: its traced operations run their traced calls
-                for name, call in self._traced_step.items():
-                    if call is not self._untraced_step[name]:
-                        self._install(name, call)
+                for name in self._traced_differs:
+                    self._install(name, self._traced_step[name])
+                self._step_installed.extend(self._traced_differs)
             if transfers is not None:
                 if transfers.waits_for_loads:
                     self._calls.set_layer_load_marker(transfers.layer_waited)  # type: ignore[union-attr]
                 if transfers.saves_open:
                     wait = self._traced_step["wait_for_save"] if traced else self._untraced_step["wait_for_save"]
                     self._install("wait_for_save", self._completing_saves(wait))
+                    self._step_installed.append("wait_for_save")
 
         return bind_connector_metadata
 
@@ -382,9 +384,10 @@ class Instrumentation:
                 self._transfers.end_step()
                 self._calls.set_layer_load_marker(None)  # type: ignore[union-attr]
             self.tracer.end_step()
-            for name, call in self._untraced_step.items():
-                if name == "wait_for_save" or call is not self._traced_step[name]:
-                    self._install(name, call)
+            if self._step_installed:  # back to what every step calls
+                for name in self._step_installed:
+                    self._install(name, self._untraced_step[name])
+                self._step_installed.clear()
 
         return clear_connector_metadata
 
@@ -431,8 +434,9 @@ class Instrumentation:
     # ---- stats, state, shutdown ----
 
     def take_tables(self) -> dict[str, Any] | None:
-        """kvcompose's own tables since the last call (calls, transfers, span telemetry); None if all empty."""
-        if self._flush_at_take:
+        """kvcompose's own tables since the last call (calls, transfers, span telemetry); None if all empty.
+        Flushed when the step runs no forward pass, or (scheduler side) no admitted request is left."""
+        if self._flush_at_take or (self._side is Side.SCHEDULER and not self._admitted):
             self._flush_at_take = False
             self.recorder.flush()
         tables: dict[str, Any] = {}

@@ -4,7 +4,7 @@ Latency is measured on a sample of each operation's calls. Two clock reads
 cost more than a call into a child that has nothing to do (about 40 ns each
 against 20-35 ns on these CPUs), so timing every call would cost several times
 MultiConnector's forwarding; a sample of one call in ``metrics.sample_every``
-(default 16) costs a countdown per call. The sample is taken per composite
+(default 32) costs a countdown per call. The sample is taken per composite
 operation (:class:`OperationSampler`): a sampled call of the composite times
 every child it calls, through their timed calls (:meth:`PipelineRecorder.timed`).
 
@@ -14,9 +14,10 @@ that many calls (its *weight*), and the summed seconds that many times its
 latency. So the latency histogram's buckets and count add up to the calls
 kvcompose made, and ``_sum`` is an estimate. The calls made since an
 operation's last timed call are credited to that call's bucket when the engine
-goes idle (:meth:`PipelineRecorder.flush`); after that, each operation's next
-call is timed, so a lightly loaded engine times every call. While the engine
-is busy, an operation's count trails by fewer than ``sample_every`` calls. With
+goes idle (:meth:`PipelineRecorder.flush`); after that, the next call of an
+operation not timed in the last second is timed, so a lightly loaded engine
+still shows every operation's latency. While the engine is busy, an
+operation's count trails by fewer than ``sample_every`` calls. With
 ``sample_every: 1`` every call is timed and counted at once.
 
 What the calls meant is counted where vLLM counts it, told by the
@@ -47,7 +48,7 @@ import inspect
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Collection, Iterable, Sequence
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import TYPE_CHECKING, Any
 
 from kvcompose.metrics.table import COUNTERS, OPS, CallTable, Cells, ErrorCounts, LoadErrors
@@ -64,6 +65,10 @@ DENSE_FROM_WORKERS = 8
 # memory of a process whose stats nobody takes (vLLM takes them every step).
 MAX_PENDING_CALLS = 1 << 16
 
+# After the engine was idle, an operation whose last timed call is older than this has its next call timed:
+# a lightly loaded engine still shows each operation's latency every second or so.
+RESAMPLE_AFTER_S = 1.0
+
 _NO_COUNTS = [0] * len(COUNTERS)
 _HITS, _MISSES, _MATCHED, _LOADED = (COUNTERS.index(name) for name in (
     "lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens"))
@@ -72,13 +77,13 @@ _HITS, _MISSES, _MATCHED, _LOADED = (COUNTERS.index(name) for name in (
 # is the one to time. Generated per signature (as dataclasses does) so that the untimed call, nearly every
 # call, packs no ``*args``.
 _COUNTDOWN = """
-def countdown(forward, sampled):
+def countdown(function, instance, sampled):
     left = 1
     def call({parameters}):
         nonlocal left
         left -= 1
         if left:
-            return forward({arguments})
+            return function(instance, {arguments})
         return sampled({arguments})
     def read():
         return left
@@ -112,31 +117,39 @@ def _call_shape(method: Callable[..., Any]) -> tuple[str, str]:
 class OperationSampler:
     """Which calls of one composite operation are timed, and how many calls each timed one stands for."""
 
-    def __init__(self, every: int) -> None:
+    def __init__(self, index: int, every: int, pending: list[Any], fold: Callable[[], None]) -> None:
+        self.index = index
         self.every = every
-        self.weight = 1  # of the timed call running now: read by the children's timed calls
-        self.last_slots: list[int] = []  # the (child, op) slots the last timed call timed
+        # (slot, cell, seconds) of each child its last timed call timed (known once folded): where the calls
+        # after it are credited.
+        self.last_call: list[tuple[int, int, float]] = []
+        self.timed_calls = 0  # since the recorder last looked (see PipelineRecorder.flush)
+        self._pending = pending
+        self._fold = fold
         self._period = 1  # the countdown's value when it last started again
         self._credited = 0  # calls of this period already credited (by an idle flush)
         self._read: Callable[[], int] = lambda: 1
         self._write: Callable[[int], None] = lambda value: None
 
     def around(self, forward: Callable[..., Any], sampled: Callable[..., Any]) -> Callable[..., Any]:
-        """``forward``, counted down: every ``every``-th call goes to ``sampled`` instead (the first call too)."""
+        """``forward`` (a bound method), counted down: every ``every``-th call goes to ``sampled`` instead
+        (the first call too)."""
         parameters, arguments = _call_shape(forward)
         namespace: dict[str, Any] = {}
         exec(_COUNTDOWN.format(parameters=parameters, arguments=arguments), namespace)  # noqa: S102
-        call, self._read, self._write = namespace["countdown"](forward, sampled)
+        call, self._read, self._write = namespace["countdown"](forward.__func__, forward.__self__, sampled)
         return call
 
     def begin(self, counted: bool) -> None:
-        """A timed call starts: its weight is every call since the last one credited (itself included;
-        ``counted``: the countdown already counted it). The countdown starts again."""
-        calls = self._period - self._read() + (0 if counted else 1)
-        self.weight = calls - self._credited
-        self.last_slots = []
+        """A timed call starts: it stands for every call since the last one credited (itself included;
+        ``counted``: the countdown counted it, and has just run out). The countdown starts again."""
+        calls = self._period if counted else self._period - self._read() + 1
+        if len(self._pending) >= MAX_PENDING_CALLS:
+            self._fold()
+        self._pending.append((-1, calls - self._credited, self.index))  # the timed calls that follow weigh this
         self._write(self.every)
         self._period, self._credited = self.every, 0
+        self.timed_calls += 1
 
     def uncredited(self) -> int:
         """Calls since the last timed call that no flush credited yet."""
@@ -166,11 +179,11 @@ class PipelineRecorder:
         self._bounds = tuple(bounds)
         self._lock = threading.Lock()
         self._bucketed: Cells = {}  # calls folded since the last take
-        # Timed calls not yet folded, filled in place (timed calls hold a reference): (slot, seconds, weight),
-        # slot = child * len(OPS) + op.
-        self._pending: list[tuple[int, float, int]] = []
-        self._latest: dict[int, tuple[int, float]] = {}  # slot -> (cell, seconds) of its latest timed call
+        # Not yet folded, filled in place (timed calls hold a reference): a timed call's (slot, seconds),
+        # slot = child * len(OPS) + op, after the (-1, weight, sampler) its sampled call began with.
+        self._pending: list[tuple[Any, ...]] = []
         self._samplers: dict[str, OperationSampler] = {}
+        self._resampled_at = 0.0  # monotonic time flush last looked for operations not timed lately
         self._counts = [[0] * len(COUNTERS) for _ in self._children]
         self._errors: ErrorCounts = {}
         self._load_errors: LoadErrors = {}
@@ -188,50 +201,62 @@ class PipelineRecorder:
         if self.label(operation) is None:
             return None
         if (sampler := self._samplers.get(operation.name)) is None:
-            sampler = self._samplers[operation.name] = OperationSampler(self.sample_every)
+            sampler = self._samplers[operation.name] = OperationSampler(
+                len(self._samplers), self.sample_every, self._pending, self._fold)
         return sampler
 
     def timed(self, child_name: str, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
-        """``call``, timed (with its operation's current weight); ``call`` itself if the operation is not timed."""
-        sampler = self.sampler(operation)
-        if sampler is None:
+        """``call``, timed; ``call`` itself if the operation is not timed."""
+        op = self.label(operation)
+        if op is None:
             return call
-        assert (op := self.label(operation)) is not None
         slot = self._children.index(child_name) * len(OPS) + OPS.index(op)
-        pending = self._pending
+        append = self._pending.append
+        # Two bodies, alike on purpose: packing an empty **kwargs costs a tenth of a timed call.
+        if operation.keywords:
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                pending.append((slot, perf_counter() - start, sampler.weight))
-                sampler.last_slots.append(slot)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                start = perf_counter()
+                try:
+                    return call(*args, **kwargs)
+                finally:
+                    append((slot, perf_counter() - start))
+
+        else:
+
+            def timed(*args: Any) -> Any:
+                start = perf_counter()
+                try:
+                    return call(*args)
+                finally:
+                    append((slot, perf_counter() - start))
 
         timed.__wrapped__ = call  # type: ignore[attr-defined]
         return timed
 
-    def begin_sampled_call(self, sampler: OperationSampler, counted: bool) -> None:
-        """A sampled (or traced) call of the sampler's operation is about to time its children."""
-        sampler.begin(counted)
-        if len(self._pending) >= MAX_PENDING_CALLS:
-            with self._lock:
-                self._fold_pending()
-
     def flush(self) -> None:
-        """The engine goes idle: every operation's calls since its last timed call go to that call's bucket,
-        and each operation's next call is timed."""
+        """The engine goes idle: every operation's calls since its last timed call go to that call's bucket.
+        An operation not timed since flush last looked, :data:`RESAMPLE_AFTER_S` or more ago, has its next
+        call timed."""
         if not self.enabled:
             return
+        now = monotonic()
+        resample = now - self._resampled_at >= RESAMPLE_AFTER_S
         with self._lock:
             self._fold_pending()
             for sampler in self._samplers.values():
                 if calls := sampler.uncredited():
-                    for slot in sampler.last_slots:
-                        cell, seconds = self._latest[slot]
-                        _add_to_cell(self._bucketed, cell, calls, calls * seconds)
+                    for _, cell, seconds in sampler.last_call:
+                        counts = self._bucketed.setdefault(cell, [0, 0.0])
+                        counts[0] += calls
+                        counts[1] += calls * seconds
                     sampler.credited(calls)
-                sampler.time_next()
+                if resample:
+                    if not sampler.timed_calls:
+                        sampler.time_next()
+                    sampler.timed_calls = 0
+        if resample:
+            self._resampled_at = now
 
     # ---- what the calls meant, told by the instrumentation ----
 
@@ -292,32 +317,40 @@ class PipelineRecorder:
             table.densify()
         return table
 
+    def _fold(self) -> None:
+        with self._lock:
+            self._fold_pending()
+
     def _fold_pending(self) -> None:
-        """Sort the timed calls into their cells, for the next take (holding the lock).
-        Calls appended meanwhile by other threads land after the ones taken, and stay."""
-        calls = self._pending[:]
-        del self._pending[: len(calls)]
-        bucket_latencies(calls, self._bounds, into=self._bucketed, latest=self._latest)
+        """Sort the timed calls into their cells, for the next take (holding the lock). Calls appended
+        meanwhile by other threads land after the ones taken, and stay."""
+        entries = self._pending[:]
+        del self._pending[: len(entries)]
+        fold_timed_calls(entries, self._bounds, self._bucketed, list(self._samplers.values()))
 
 
-def _add_to_cell(cells: Cells, cell: int, calls: int, seconds: float) -> None:
-    if (entry := cells.get(cell)) is None:
-        cells[cell] = [calls, seconds]
-    else:
-        entry[0] += calls
-        entry[1] += seconds
-
-
-def bucket_latencies(
-    calls: Iterable[tuple[int, float, int]], bounds: Sequence[float], into: Cells,
-    latest: dict[int, tuple[int, float]] | None = None,
+def fold_timed_calls(
+    entries: Iterable[tuple[Any, ...]], bounds: Sequence[float], into: Cells,
+    samplers: Sequence[OperationSampler] = (),
 ) -> None:
-    """Add each timed call, ``weight`` times, to the cell of its slot and bucket: bucket ``i`` holds
-    ``bounds[i-1] < v <= bounds[i]`` (Prometheus' ``le``), the last one the rest. ``latest``: each slot's
-    latest (cell, seconds)."""
+    """Add each timed call (slot, seconds) to the cell of its slot and bucket, as many times as the weight of
+    the sampled call it belongs to: the latest (-1, weight, sampler index) before it (weight 1 before any).
+    Bucket ``i`` holds ``bounds[i-1] < v <= bounds[i]`` (Prometheus' ``le``), the last one the rest. Each
+    sampled call's timed calls become its sampler's ``last_call``."""
     buckets = len(bounds) + 1
-    for slot, latency, weight in calls:
+    weight, last_call = 1, None
+    for entry in entries:
+        slot = entry[0]
+        if slot < 0:  # a sampled call begins
+            weight = entry[1]
+            last_call = samplers[entry[2]].last_call = [] if samplers else None
+            continue
+        latency = entry[1]
         cell = slot * buckets + bisect_left(bounds, latency)
-        _add_to_cell(into, cell, weight, weight * latency)
-        if latest is not None:
-            latest[slot] = (cell, latency)
+        if (counts := into.get(cell)) is None:
+            into[cell] = [weight, weight * latency]
+        else:
+            counts[0] += weight
+            counts[1] += weight * latency
+        if last_call is not None:
+            last_call.append((slot, cell, latency))
