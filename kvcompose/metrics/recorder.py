@@ -187,6 +187,7 @@ class PipelineRecorder:
         self._counts = [[0] * len(COUNTERS) for _ in self._children]
         self._errors: ErrorCounts = {}
         self._load_errors: LoadErrors = {}
+        self._counted = False  # counters, errors or credited calls since the last take (read without the lock)
 
     # ---- timing ----
 
@@ -250,6 +251,7 @@ class PipelineRecorder:
                         counts = self._bucketed.setdefault(cell, [0, 0.0])
                         counts[0] += calls
                         counts[1] += calls * seconds
+                        self._counted = True
                     sampler.credited(calls)
                 if resample:
                     if not sampler.timed_calls:
@@ -282,6 +284,7 @@ class PipelineRecorder:
                         counts[_MISSES] += 1
             if loading is not None:
                 self._counts[loading][_LOADED] += external_tokens
+            self._counted = True
 
     def count_load_errors(self, child_name: str, step: int, block_ids: Collection[int]) -> None:
         """Blocks the child failed to load in scheduler step ``step`` (reported by it, or
@@ -289,6 +292,7 @@ class PipelineRecorder:
         if self.enabled and block_ids:
             with self._lock:
                 self._load_errors.setdefault(child_name, {}).setdefault(step, set()).update(block_ids)
+                self._counted = True
 
     def count_error(self, child_name: str, operation: Operation, error: Exception) -> None:
         """A child call raised ``error`` (told by the child's guard, whether the call was timed or not)."""
@@ -297,15 +301,16 @@ class PipelineRecorder:
             with self._lock:
                 by_type = self._errors.setdefault(child_name, {}).setdefault(op, {})
                 by_type[error_type] = by_type.get(error_type, 0) + 1
+                self._counted = True
 
     # ---- handing the stats over ----
 
     def take(self) -> CallTable | None:
         """The calls since the last take (None if there were none), then start afresh."""
+        if not (self._pending or self._counted or self._bucketed):
+            return None
         with self._lock:
-            if not (self._pending or self._bucketed or self._errors or self._load_errors
-                    or any(map(any, self._counts))):
-                return None
+            self._counted = False
             self._fold_pending()
             counters = [count for child_counts in self._counts for count in child_counts]
             table = CallTable(self._children, len(self._bounds) + 1, self._bucketed, counters, self._errors,
