@@ -5,9 +5,8 @@ MultiConnector's rule), save to every child with ``save: true``, and forward or
 aggregate every other method of ``KVConnectorBase_V1`` the way MultiConnector
 does. This module holds the forwarding logic only. Each loop iterates the
 operation's calls (``self._calls.<operation>``, see
-:mod:`kvcompose.connectors.calls`), catches a data-path child's failure itself
-and asks the child's guard what it answers (see
-:mod:`kvcompose.connectors.isolation`). Metrics, tracing and transfer
+:mod:`kvcompose.connectors.calls`), catches a child's failure itself and asks
+the child's guard what it answers (see :mod:`kvcompose.connectors.isolation`). Metrics, tracing and transfer
 tracking wrap this connector's methods from outside, when the pipeline turns
 them on (:mod:`kvcompose.connectors.instrumentation`).
 
@@ -75,6 +74,14 @@ _START_LOAD, _WAIT_FOR_SAVE = _OPS["start_load_kv"], _OPS["wait_for_save"]
 _LAYER_LOAD, _LAYER_SAVE = _OPS["wait_for_layer_load"], _OPS["save_kv_layer"]
 _TRANSFER_RESULTS, _LOAD_ERRORS = _OPS["get_transfer_results"], _OPS["get_block_ids_with_load_errors"]
 _FINISHED, _FINISHED_ALL_GROUPS = _OPS["request_finished"], _OPS["request_finished_all_groups"]
+# The other isolated operations, whose failures the loops below catch as well.
+_CLEAR, _PREEMPTIONS, _FINISH_FORWARD = _OPS["clear_connector_metadata"], _OPS["handle_preemptions"], _OPS[
+    "finish_forward"]
+_WORKER_META, _STATS = _OPS["build_connector_worker_meta"], _OPS["get_kv_connector_stats"]
+_HIT_SOURCES, _NEW_REQUEST, _BUILD_META = _OPS["get_external_cache_hit_sources"], _OPS["on_new_request"], _OPS[
+    "build_connector_meta"]
+_OUTPUT, _FREES, _PUSH, _RESET = _OPS["update_connector_output"], _OPS["has_pending_block_frees"], _OPS[
+    "has_pending_push_work"], _OPS["reset_cache"]
 _NO_MATCH = (0, False)
 
 if TYPE_CHECKING:
@@ -105,6 +112,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._guards = [ChildGuard(child, self._guard_changed, on_failure) for child in self.pipeline.children]
         for guard in self._guards:
             guard.half_open_at_step_start = role is KVConnectorRole.WORKER
+        self._open_guards: list[ChildGuard] = []  # those whose circuit is not closed
+        self._breakers_changed = False  # a circuit changed state since the last stats
         self.children = [Child(spec, construct_child(spec, role, kv_cache_config), self._guards[spec.index])
                          for spec in specs]
         self._child_calls = ChildCalls(self.children, self._instrumentation.call_wrappers()
@@ -134,6 +143,8 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def _guard_changed(self, guard: ChildGuard, state_changed: bool) -> None:
         self._child_calls.rebuild(self.children[self._guards.index(guard)])
+        self._open_guards = [guard for guard in self._guards if not guard.closed]
+        self._breakers_changed = self._breakers_changed or state_changed
         if state_changed and self._instrumentation is not None:
             self._instrumentation.breaker_changed(guard.name, guard.state.name.lower())
 
@@ -208,18 +219,23 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(connector_metadata, KVComposeMetadata)
-        for guard in self._guards:
+        for guard in self._open_guards:
             guard.step_started()
         self._loads_failed(self._worker_ledger.begin_step(connector_metadata))
         binds = self._calls.bind_connector_metadata
         for bind, metadata in zip(binds, connector_metadata.per_child, strict=True):
-            if bind(metadata) is FAILED:
-                self._fail_loads(self._child_calls.owner(_BIND, bind).index)
+            try:
+                bind(metadata)
+            except Exception as error:  # without its metadata, the child cannot load this step
+                self._load_failed(_BIND, bind, error)
         super().bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         for clear in self._calls.clear_connector_metadata:
-            clear()
+            try:
+                clear()
+            except Exception as error:
+                self._answer(_CLEAR, clear, error)
         super().clear_connector_metadata()
         self._worker_ledger.end_step()
         self._child_calls.layer_saves = True  # back to every step's layer saves
@@ -228,7 +244,10 @@ class KVComposeConnector(KVConnectorBase_V1):
         assert isinstance(kv_connector_metadata, KVComposeMetadata)
         handles = self._calls.handle_preemptions
         for handle, metadata in zip(handles, kv_connector_metadata.per_child, strict=True):
-            handle(metadata)
+            try:
+                handle(metadata)
+            except Exception as error:
+                self._answer(_PREEMPTIONS, handle, error)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         for start_load in self._calls.start_load_kv:
@@ -262,7 +281,10 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def finish_forward(self) -> None:
         for finish in self._calls.finish_forward:
-            finish()
+            try:
+                finish()
+            except Exception as error:
+                self._answer(_FINISH_FORWARD, finish, error)
 
     def reset_capture_state(self) -> None:
         for reset in self._calls.reset_capture_state:
@@ -322,18 +344,31 @@ class KVComposeConnector(KVConnectorBase_V1):
         return None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        per_child = tuple(build() for build in self._calls.build_connector_worker_meta)
+        per_child = []
+        for build in self._calls.build_connector_worker_meta:
+            try:
+                per_child.append(build())
+            except Exception as error:
+                per_child.append(self._answer(_WORKER_META, build, error))
         if all(metadata is None for metadata in per_child):
             return None
-        return KVComposeWorkerMetadata(per_child=per_child)
+        return KVComposeWorkerMetadata(per_child=tuple(per_child))
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Each child's own stats and its breaker's report, and (with metrics on) kvcompose's tables, since
         the last call."""
-        native = {child.name: NativeStats(child.class_path, child_stats) for child, get_stats
-                  in zip(self.children, self._calls.get_kv_connector_stats, strict=True)
-                  if (child_stats := get_stats()) is not None and not child_stats.is_empty()}
-        breakers = {guard.name: report for guard in self._guards if (report := guard.take_report()) is not None}
+        native = {}
+        for child, get_stats in zip(self.children, self._calls.get_kv_connector_stats, strict=True):
+            try:
+                child_stats = get_stats()
+            except Exception as error:
+                child_stats = self._answer(_STATS, get_stats, error)
+            if child_stats is not None and not child_stats.is_empty():
+                native[child.name] = NativeStats(child.class_path, child_stats)
+        breakers = {}
+        if self._open_guards or self._breakers_changed:  # else every circuit is closed and was at the last report
+            self._breakers_changed = False
+            breakers = {guard.name: report for guard in self._guards if (report := guard.take_report()) is not None}
         tables = self._instrumentation.take_tables() if self._instrumentation is not None else None
         if not (native or breakers or tables):
             return None
@@ -374,7 +409,11 @@ class KVComposeConnector(KVConnectorBase_V1):
         loader = self._scheduler_ledger.loader_of(request.request_id)
         if loader is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
-        return self._calls.get_external_cache_hit_sources[loader](request, num_external_tokens)
+        get_sources = self._calls.get_external_cache_hit_sources[loader]
+        try:
+            return get_sources(request, num_external_tokens)
+        except Exception as error:
+            return self._answer(_HIT_SOURCES, get_sources, error)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         loader = self._scheduler_ledger.loader_of(request.request_id)
@@ -398,18 +437,22 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         for on_new in self._calls.on_new_request:
-            on_new(request)
+            try:
+                on_new(request)
+            except Exception as error:
+                self._answer(_NEW_REQUEST, on_new, error)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVComposeMetadata:
         """Each child's metadata, and what the workers need to repair failures.
         A child that fails here sends none, and its planned loads are cancelled."""
         per_child = []
         for index, build in enumerate(self._calls.build_connector_meta):
-            child_metadata = build(scheduler_output)
-            if child_metadata is FAILED:
-                child_metadata = None
+            try:
+                per_child.append(build(scheduler_output))
+            except Exception as error:
+                self._answer(_BUILD_META, build, error)
+                per_child.append(None)
                 self._scheduler_ledger.cancel_loads_of(index)
-            per_child.append(child_metadata)
         self._steps += 1
         metadata = KVComposeMetadata(per_child=tuple(per_child), step=self._steps)
         self._scheduler_ledger.fill(metadata)
@@ -423,7 +466,10 @@ class KVComposeConnector(KVConnectorBase_V1):
             for index, update in enumerate(self._calls.update_connector_output):
                 if composite_meta is not None:
                     connector_output.kv_connector_worker_meta = composite_meta.per_child[index]
-                update(connector_output)
+                try:
+                    update(connector_output)
+                except Exception as error:
+                    self._answer(_OUTPUT, update, error)
         finally:
             connector_output.kv_connector_worker_meta = composite_meta
 
@@ -479,10 +525,21 @@ class KVComposeConnector(KVConnectorBase_V1):
             yield from take()
 
     def has_pending_block_frees(self) -> bool:
-        return any(pending() for pending in self._calls.has_pending_block_frees)
+        return self._any_child(_FREES, self._calls.has_pending_block_frees)
 
     def has_pending_push_work(self) -> bool:
-        return any(pending() for pending in self._calls.has_pending_push_work)
+        return self._any_child(_PUSH, self._calls.has_pending_push_work)
+
+    def _any_child(self, operation: Operation, calls: tuple[Callable[[], bool], ...]) -> bool:
+        """True as soon as a child's call answers True (later children are not asked, as with ``any``)."""
+        for call in calls:
+            try:
+                if call():
+                    return True
+            except Exception as error:
+                if self._answer(operation, call, error):
+                    return True
+        return False
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         for set_metadata in self._calls.set_xfer_handshake_metadata:
@@ -495,8 +552,14 @@ class KVComposeConnector(KVConnectorBase_V1):
             set_metadata(metadata)
 
     def reset_cache(self) -> bool:
-        results = [reset() is not False for reset in self._calls.reset_cache]
-        return all(results)
+        every_child_reset = True
+        for reset in self._calls.reset_cache:  # every child is asked, even after one says no
+            try:
+                reset_ = reset()
+            except Exception as error:
+                reset_ = self._answer(_RESET, reset, error)
+            every_child_reset = every_child_reset and reset_ is not False
+        return every_child_reset
 
     def shutdown(self) -> None:
         """Close the instrumentation and shut every child down, whatever fails; then re-raise the last

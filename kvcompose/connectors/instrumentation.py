@@ -146,12 +146,14 @@ class Instrumentation:
         if operation is _TRANSFER_RESULTS and self._tracks_transfers:
 
             def transfer_results(finished_req_ids: set[str]) -> Any:
+                tracker = self._tracker()
                 try:
                     results = call(finished_req_ids)
                 except Exception:
-                    self._tracker().results(index, None, finished_req_ids)  # it gives up what it owes
+                    tracker.results(index, None, finished_req_ids)  # it gives up what it owes
                     raise
-                self._tracker().results(index, results, finished_req_ids)
+                if results.finished_sending or results.finished_recving or (finished_req_ids and tracker.open):
+                    tracker.results(index, results, finished_req_ids)
                 return results
 
             return transfer_results

@@ -9,12 +9,12 @@ will not happen, a save that will never be reported), the answer is
 returns (``take_events`` may return a generator) is isolated while it is
 iterated: the events yielded before the failure are kept.
 
-Where the failure is caught: data-path calls (``Operation.data_path``: the
-calls that find, load and save KV, made per request, step or layer) are made
-by the composite's own loops, which catch a failure and ask
-:meth:`ChildGuard.answer` for the answer; no wrapper frame stands between
-them and the child. Every other isolated call is wrapped once
-(:meth:`ChildGuard.isolating`).
+Where the failure is caught: the composite's own loops catch a failure and
+ask :meth:`ChildGuard.answer` for the answer, so no wrapper frame stands
+between them and the child. Only a result iterated after the call
+(``take_events``) is isolated by a wrapper (:meth:`ChildGuard.isolating`).
+The data-path calls (``Operation.data_path``: those that find, load and save
+KV, made per request, step or layer) are the ones the circuit breaker watches.
 
 The circuit breaker watches the data path only. It counts consecutive
 failures per operation: ``circuit_breaker.failures`` failed calls of one
@@ -173,18 +173,17 @@ class ChildGuard:
         return housekeeping
 
     def isolating(self, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
-        """``call`` answering its failures, for an isolated operation off the data path (the
-        composite's loops catch the data path's themselves)."""
-        if not self.isolate or operation.fallback is None or operation.data_path:
+        """``call`` answering its failures, for an isolated operation whose result is iterated after the call
+        (the composite's loops catch every other failure themselves)."""
+        if not self.isolate or operation.fallback is None or not operation.iterated:
             return call
-        iterated = operation.iterated
 
         def isolated(*args: Any, **kwargs: Any) -> Any:
             try:
                 result = call(*args, **kwargs)
             except Exception as error:
                 return self.answer(operation, error)
-            return self._isolate_iteration(operation, result) if iterated else result
+            return self._isolate_iteration(operation, result)
 
         return isolated
 

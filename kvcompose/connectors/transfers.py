@@ -164,6 +164,11 @@ class TransferTracker:
                 self._start_jobs(child, child_metadata)
 
     @property
+    def open(self) -> bool:
+        """True while a transfer spans steps (async loads, sends, jobs)."""
+        return bool(self._open)
+
+    @property
     def saves_open(self) -> bool:
         """True when the step has sync saves, which its ``wait_for_save`` completes."""
         return bool(self._step_saves)
