@@ -1,7 +1,7 @@
 """Cost of the stats' way from the workers to Prometheus, and the size of what crosses processes.
 
 Each worker's payload comes from a real 16-child KVComposeConnector (no-op
-children, ``metrics.per_layer`` on: the largest payload) after one step, as
+children, ``metrics.per_layer`` on and every call timed: the largest payload) after one step, as
 vLLM reads it after every step; the connector is told the engine has 64
 workers, so it ships its table as a worker of such an engine does (dense). vLLM's KVOutputAggregator folds the workers'
 stats into one with ``aggregate``; the merged stats reach the front-end as a
@@ -71,7 +71,7 @@ def prometheus_metrics(bench_pipeline: dict[str, Any]) -> Any:
 
 def measure(workers: int = WORKERS, children: int = CHILDREN, heavy_steps: int = 1000, rounds: int = 5,
             calls: int | None = None) -> dict[str, Any]:
-    bench_pipeline = pipeline(children, per_layer=True)
+    bench_pipeline = pipeline(children, per_layer=True, sample_every=1)
     worker = kvcompose_connector(bench_pipeline, "worker", workers=workers)
     payloads = [_stats_after(worker, 1) for _ in range(workers)]
     # Timed with to_dict: vLLM turns the merged stats into a dict right after, and that is where a merge

@@ -137,6 +137,11 @@ class MetricsSection(_Section):
         description="Also time save_kv_layer and wait_for_layer_load (once per layer per step: costs about "
         "1 us per call and child). Off, the step-level start_load_kv and wait_for_save are timed.",
     )
+    sample_every: Annotated[int, Field(ge=1)] = Field(
+        32,
+        description="Time one call in this many of each operation (and every call after the engine was idle); "
+        "every call is counted either way. 1 times every call.",
+    )
     latency_buckets: tuple[float, ...] = Field(
         DEFAULT_LATENCY_BUCKETS, description="Upper bounds (seconds) of the latency histogram buckets."
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from kvcompose.tracing import attributes as attr
 
@@ -25,6 +25,9 @@ class Failed(enum.Enum):
 
 
 FAILED: Final = Failed.FAILED
+# What a failed lookup answers: no tokens. Made at run time, so that no answer a child returns is this
+# very object: ``answer is FAILED_LOOKUP`` tells a failure from a miss the child reported.
+FAILED_LOOKUP: Final[tuple[int, bool]] = tuple([0, False])  # type: ignore[assignment]
 
 
 class Side(enum.Enum):
@@ -66,6 +69,9 @@ class Operation:
     describe: Describe | None = None  # (args, result) -> values of ``attributes`` (a None value is left out)
     keywords: bool = False  # vLLM's signature takes ``**kwargs``
     forwarded: bool = True  # the composite calls it on its children
+    # Which children the composite calls: every one, or those with ``load`` / ``save`` set (MultiConnector
+    # calls every child; a kvcompose child may be told not to load or save).
+    children: Literal["all", "loaders", "savers"] = "all"
     hma_only: bool = False  # only connectors that support the hybrid KV cache manager have it
 
     @property
@@ -118,7 +124,8 @@ _FINISHED = (attr.BLOCKS, attr.SAVE_ASYNC)
 _DECLARED: tuple[Operation, ...] = (
     # ---- scheduler side ----
     Operation("get_num_new_matched_tokens", _S, _REQUEST, "lookup", traced=True, data_path=True,
-              fallback=lambda: (0, False), attributes=(attr.COMPUTED_TOKENS, attr.LOAD_ASYNC, attr.MATCHED_TOKENS),
+              fallback=lambda: FAILED_LOOKUP, children="loaders",
+              attributes=(attr.COMPUTED_TOKENS, attr.LOAD_ASYNC, attr.MATCHED_TOKENS),
               describe=_lookup),
     Operation("get_external_cache_hit_sources", _S, _REQUEST, traced=True, fallback=dict),
     Operation("get_loaded_kv_cache_group_ids", _S, _REQUEST, traced=True),
@@ -149,12 +156,13 @@ _DECLARED: tuple[Operation, ...] = (
     Operation("clear_connector_metadata", _W, _STEP, fallback=_nothing),
     Operation("handle_preemptions", _W, _STEP, fallback=_nothing),
     Operation("start_load_kv", _W, _STEP, "start_load_kv", traced=True, data_path=True, fallback=_failed,
-              keywords=True),
+              keywords=True, children="loaders"),
     Operation("wait_for_layer_load", _W, _LAYER, "wait_for_layer_load", traced=True, data_path=True,
-              fallback=_nothing, attributes=(attr.LAYER,), describe=_layer),
+              fallback=_nothing, attributes=(attr.LAYER,), describe=_layer, children="loaders"),
     Operation("save_kv_layer", _W, _LAYER, "save_kv_layer", traced=True, data_path=True, fallback=_nothing,
-              attributes=(attr.LAYER,), describe=_layer, keywords=True),
-    Operation("wait_for_save", _W, _STEP, "wait_for_save", traced=True, data_path=True, fallback=_nothing),
+              attributes=(attr.LAYER,), describe=_layer, keywords=True, children="savers"),
+    Operation("wait_for_save", _W, _STEP, "wait_for_save", traced=True, data_path=True, fallback=_nothing,
+              children="savers"),
     Operation("finish_forward", _W, _STEP, fallback=_nothing),
     Operation("reset_capture_state", _W, _STEP),
     # The composite asks get_transfer_results; get_finished is its older form.

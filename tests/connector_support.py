@@ -34,6 +34,10 @@ def scheduler_output(
     output = SchedulerOutput.make_empty()
     output.scheduled_new_reqs = [NewRequestData.from_request(request, (list(blocks),)) for request in new]
     output.scheduled_cached_reqs.req_ids = list(cached)
+    # A new request's prompt, one token for each cached one (decode), as vLLM would schedule them.
+    output.num_scheduled_tokens = {**{request.request_id: request.num_prompt_tokens for request in new},
+                                   **dict.fromkeys(cached, 1)}
+    output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
     return output
 
 

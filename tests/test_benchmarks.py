@@ -47,7 +47,7 @@ def test_traced_subjects_make_spans_in_their_bound_step() -> None:
         set_span_exporter(None)
 
     def spans_of(subject: str, statement: str) -> set[str]:
-        tracing = worker[subject]._tracing
+        tracing = worker[subject]._instrumentation.tracer
         tracing.flush()  # the records of building the step
         exporter.clear()
         exec(statement, {"c": worker[subject]})
@@ -79,7 +79,7 @@ def test_stats_merge_sums_every_worker_and_sizes_the_payload() -> None:
 def test_stats_merge_adds_up_what_each_worker_counted() -> None:
     from benchmarks.connectors import kvcompose_connector, pipeline
 
-    worker = kvcompose_connector(pipeline(2, per_layer=True), "worker")
+    worker = kvcompose_connector(pipeline(2, per_layer=True, sample_every=1), "worker")
     merged = stats_merge.merge([stats_merge._stats_after(worker, steps) for steps in (1, 2, 3)])
 
     for child in ("c0", "c1"):

@@ -42,7 +42,11 @@ def test_a_lookup_vllm_asks_again_counts_once_when_the_request_is_admitted(vllm_
     for _ in range(3):  # vLLM asks every step while the request waits for free blocks
         assert scheduler.get_num_new_matched_tokens(request, 0) == (32, False)
     waiting = scheduler.get_kv_connector_stats().calls
-    assert waiting.call_count("hot", "lookup") == 3  # every call is still timed
+    # Every call is counted: the first was timed, and (no request admitted: the stats are flushed) the
+    # other two are put in its bucket.
+    assert waiting.call_count("hot", "lookup") == 3
+    assert [count for cell, (count, _) in waiting.cells.items() if waiting.operation_of(cell) == ("hot", "lookup")
+            ] == [3]  # one bucket
     assert not any(waiting.counters)  # nothing counted before admission
 
     scheduler.update_state_after_alloc(request, make_blocks(1, 2, 3), 32)  # admitted
@@ -66,7 +70,7 @@ def test_a_request_finished_while_waiting_counts_no_lookup_and_leaves_nothing(vl
     scheduler, _ = composite_pair(vllm_config_with, _pipeline({"hot": {"matches": {"r1": [[32, False]]}}}))
     request = make_request("r1")
     scheduler.get_num_new_matched_tokens(request, 0)
-    assert scheduler.request_state_sizes()["lookup_answers"] == 1
+    assert scheduler.request_state_sizes()["lookup_rounds"] == 1
     scheduler.request_finished(request, [])  # aborted before vLLM found blocks for it
     assert _lookup_counters(scheduler) == {}
     assert scheduler.request_state_sizes() == {}

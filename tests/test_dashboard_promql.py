@@ -12,7 +12,6 @@ out by hand next to each series.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import shutil
 import subprocess
@@ -276,6 +275,7 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     from kvcompose.metrics.native import NativeStats, class_path
     from kvcompose.metrics.recorder import PipelineRecorder
     from kvcompose.metrics.transfers import TransferRecorder
+    from kvcompose.operations import OPERATIONS
 
     from .connector_support import make_request
 
@@ -289,17 +289,19 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
 
     recorder = PipelineRecorder(True, load_pipeline(NATIVE_PIPELINE).metrics.latency_buckets, list(specs))
     for index, child in enumerate(specs):  # a call of every kind that feeds a kvcompose series
-        lookup = recorder.wrap(child, "get_num_new_matched_tokens", lambda request, computed: (computed, False))
-        alloc = recorder.wrap(child, "update_state_after_alloc", lambda request, blocks, tokens: None)
+        lookup = recorder.timed(child, OPERATIONS["get_num_new_matched_tokens"],
+                                lambda request, computed: (computed, False))
+        alloc = recorder.timed(child, OPERATIONS["update_state_after_alloc"], lambda request, blocks, tokens: None)
         for request, tokens in ((make_request(f"{child}-hit"), 16), (make_request(f"{child}-miss"), 0)):
-            recorder.lookup_started(request.request_id)
-            lookup(request, tokens)
+            answer = lookup(request, tokens)
             alloc(request, None, tokens)
-            recorder.request_admitted(request, index if tokens else None, tokens)
-        recorder.wrap(child, "get_block_ids_with_load_errors", lambda: {1})()
+            recorder.request_admitted(request, [answer], [index], index if tokens else None, tokens)
+        recorder.timed(child, OPERATIONS["get_block_ids_with_load_errors"], lambda: {1})()
         recorder.count_load_errors(child, 1, {1})
-        with contextlib.suppress(OSError):
-            recorder.wrap(child, "start_load_kv", _raise_os_error)(None)
+        try:
+            recorder.timed(child, OPERATIONS["start_load_kv"], _raise_os_error)(None)
+        except OSError as error:
+            recorder.count_error(child, OPERATIONS["start_load_kv"], error)  # what the child's guard tells it
 
     offload = OffloadingConnectorStats()  # one observation of every metric OffloadingConnector defines
     definitions = {**OffloadingSpecFactory.get_spec_cls({}).build_metric_definitions({}),

@@ -48,16 +48,15 @@ def _payload(child: str, hits: int) -> dict[str, Any]:
     from kvcompose.config import DEFAULT_LATENCY_BUCKETS
     from kvcompose.metrics.recorder import PipelineRecorder
     from kvcompose.metrics.stats import KVComposeStats
+    from kvcompose.operations import OPERATIONS
 
     from .connector_support import make_request
 
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, [child])
-    lookup = recorder.wrap(child, "get_num_new_matched_tokens", lambda request, computed: (16, False))
+    lookup = recorder.timed(child, OPERATIONS["get_num_new_matched_tokens"], lambda request, computed: (16, False))
     for index in range(hits):
         request = make_request(f"r{index}")
-        recorder.lookup_started(request.request_id)
-        lookup(request, 0)
-        recorder.request_admitted(request, 0, 16)
+        recorder.request_admitted(request, [lookup(request, 0)], [0], 0, 16)
     return KVComposeStats(data={"calls": recorder.take()}).to_dict()
 
 

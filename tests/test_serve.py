@@ -54,6 +54,21 @@ def test_completions_save_to_both_and_load_on_repeat(served_pipeline: Any, plain
         assert after[child].calls("wait_for_save") > before[child].calls("wait_for_save")
         assert "save_kv_layer" not in after[child].latency_buckets  # per-layer timing is opt-in
 
+    # Step calls are timed one in sample_every; once the engine is idle, every call is counted: each worker
+    # step called each child once per scheduler step.
+    settled = _settled_summary(server, lambda s: _steps_agree(s["hot"]) and _steps_agree(s["cold"]))
+    for child in ("hot", "cold"):
+        counts = {op: settled[child].calls(op) for op in (*_WORKER_STEP_OPS, "build_connector_meta")}
+        assert _steps_agree(settled[child]), counts
+
+
+_WORKER_STEP_OPS = ("start_load_kv", "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors")
+
+
+def _steps_agree(child: Any) -> bool:
+    steps = child.calls("build_connector_meta")
+    return steps > 0 and all(child.calls(op) == steps for op in _WORKER_STEP_OPS)
+
 
 def _settled_summary(server: Any, done: Any = None) -> Any:
     """kvcompose's series per child, once the last step's stats have arrived."""

@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 
 from kvcompose.config import DEFAULT_LATENCY_BUCKETS
 from kvcompose.metrics import recorder as recorder_module
-from kvcompose.metrics.recorder import PipelineRecorder, bucket_latencies
+from kvcompose.metrics.recorder import OperationSampler, PipelineRecorder, fold_timed_calls
 from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
 from kvcompose.metrics.summary import quantile
 from kvcompose.metrics import table as table_module
 from kvcompose.metrics.table import COUNTERS, OPS, CallTable
 from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferTable
+from kvcompose.operations import FAILED_LOOKUP, OPERATIONS
 
 BOUNDS = (0.001, 0.01, 0.1)
 
@@ -141,11 +142,21 @@ def test_stats_of_another_kvcompose_version_are_refused_with_a_reason() -> None:
 
 def test_buckets_follow_prometheus_le() -> None:
     cells: dict[int, list[Any]] = {}
-    bucket_latencies([(0, seconds) for seconds in (0.0005, 0.001, 0.002, 0.1, 5.0)], BOUNDS, into=cells)
+    fold_timed_calls([(0, seconds) for seconds in (0.0005, 0.001, 0.002, 0.1, 5.0)], BOUNDS, cells)
     assert {cell: count for cell, (count, _) in cells.items()} == {0: 2, 1: 1, 2: 1, 3: 1}
     assert [cells[cell][1] for cell in range(4)] == pytest.approx([0.0015, 0.002, 0.1, 5.0])
-    bucket_latencies([(1, 0.05)], BOUNDS, into=cells)  # the next slot's cells follow
+    fold_timed_calls([(1, 0.05)], BOUNDS, cells)  # the next slot's cells follow
     assert cells[len(BOUNDS) + 1 + 2] == [1, 0.05]
+
+
+def test_a_timed_call_counts_as_many_calls_as_its_sampled_call_stands_for() -> None:
+    cells: dict[int, list[Any]] = {}
+    samplers = [OperationSampler(0, 16, [], lambda: None), OperationSampler(1, 16, [], lambda: None)]
+    entries = [(-1, 16, 0), (0, 0.002), (1, 0.05), (-1, 3, 1), (0, 0.05)]
+    fold_timed_calls(entries, BOUNDS, cells, samplers)
+    assert cells == {1: [16, pytest.approx(0.032)], 2: [3, pytest.approx(0.15)], 4 + 2: [16, pytest.approx(0.8)]}
+    # Each sampled call's children, and their cells: where the calls after it will be credited.
+    assert samplers[0].last_call == [(0, 1, 0.002), (1, 6, 0.05)] and samplers[1].last_call == [(0, 2, 0.05)]
 
 
 def test_quantile_interpolates_like_histogram_quantile() -> None:
@@ -162,23 +173,27 @@ def _boom(*args: Any) -> None:
     raise Failing
 
 
+def _timed(recorder: PipelineRecorder, child: str, operation: str, call: Any) -> Any:
+    return recorder.timed(child, OPERATIONS[operation], call)
+
+
 def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
     from .connector_support import make_request
 
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot", "cold"], per_layer=True)
-    lookup = recorder.wrap("hot", "get_num_new_matched_tokens", lambda request, n: (n, False))
-    alloc = recorder.wrap("hot", "update_state_after_alloc", lambda request, blocks, n: None)
-    errors = recorder.wrap("hot", "get_block_ids_with_load_errors", lambda: {3, 4})
-    save = recorder.wrap("cold", "save_kv_layer", _boom)
-    assert recorder.wrap("hot", "shutdown", _boom) is _boom  # not a recorded operation
+    lookup = _timed(recorder, "hot", "get_num_new_matched_tokens", lambda request, n: (n, False))
+    alloc = _timed(recorder, "hot", "update_state_after_alloc", lambda request, blocks, n: None)
+    errors = _timed(recorder, "hot", "get_block_ids_with_load_errors", lambda: {3, 4})
+    save = _timed(recorder, "cold", "save_kv_layer", _boom)
+    assert _timed(recorder, "hot", "shutdown", _boom) is _boom  # not a timed operation
     for request, tokens in ((make_request("r1"), 32), (make_request("r2"), 0)):
-        recorder.lookup_started(request.request_id)
-        assert lookup(request, tokens) == (tokens, False)
+        answer = lookup(request, tokens)
         alloc(request, None, tokens)
-        recorder.request_admitted(request, 0 if tokens else None, tokens)
+        recorder.request_admitted(request, [answer], [0], 0 if tokens else None, tokens)
     assert errors() == {3, 4}
-    with pytest.raises(Failing):
+    with pytest.raises(Failing) as failure:
         save("layer.0", None, None)
+    recorder.count_error("cold", OPERATIONS["save_kv_layer"], failure.value)  # what the child's guard tells it
     recorder.count_load_errors("hot", 1, {3, 4})
     recorder.count_load_errors("cold", 1, range(5))
 
@@ -195,20 +210,31 @@ def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
     assert recorder.take() is None
 
 
+def test_a_failed_lookup_counts_neither_as_a_hit_nor_as_a_miss() -> None:
+    from .connector_support import make_request
+
+    recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot", "cold"])
+    recorder.request_admitted(make_request("r1"), [FAILED_LOOKUP, (0, False)], [0, 1], None, 0)
+    table = recorder.take()
+    assert (table.counter("hot", "lookup_misses"), table.counter("cold", "lookup_misses")) == (0, 1)
+
+
 def test_pending_latencies_are_folded_before_they_pile_up(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(recorder_module, "MAX_PENDING_CALLS", 8)
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"])
-    wait = recorder.wrap("hot", "wait_for_save", lambda: None)
+    sampler = recorder.sampler(OPERATIONS["wait_for_save"])
+    wait = _timed(recorder, "hot", "wait_for_save", lambda: None)
     for _ in range(20):
+        sampler.begin(counted=False)
         wait()
-    assert len(recorder._pending) < 8  # folded twice on the way
+    assert len(recorder._pending) <= 8  # folded twice on the way
     assert recorder.take().call_count("hot", "wait_for_save") == 20
 
 
 def test_payload_size_is_bounded_whatever_the_traffic() -> None:
     def payload_after(calls: int) -> dict[str, Any]:
         recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, list(CHILDREN), per_layer=True)
-        save = {c: recorder.wrap(c, "save_kv_layer", lambda *a: None) for c in CHILDREN}
+        save = {c: _timed(recorder, c, "save_kv_layer", lambda *a: None) for c in CHILDREN}
         for i in range(calls):
             save[CHILDREN[i % 3]](f"layer.{i}", None, None)
         return KVComposeStats(data={"calls": recorder.take()}).to_dict()
@@ -232,9 +258,9 @@ def leaves(value: Any) -> int:
 
 def test_per_layer_operations_are_timed_only_on_request() -> None:
     call = lambda *args: None  # noqa: E731
-    assert PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"]).wrap("hot", "save_kv_layer", call) is call
-    assert PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"], per_layer=True).wrap(
-        "hot", "save_kv_layer", call) is not call
+    assert _timed(PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"]), "hot", "save_kv_layer", call) is call
+    per_layer = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"], per_layer=True)
+    assert _timed(per_layer, "hot", "save_kv_layer", call) is not call
 
 
 def test_a_large_engines_workers_ship_their_tables_dense() -> None:
@@ -256,7 +282,7 @@ def test_a_large_engines_workers_ship_their_tables_dense() -> None:
 def test_metrics_off_wraps_nothing() -> None:
     recorder = PipelineRecorder(False, DEFAULT_LATENCY_BUCKETS, ["hot"])
     call = lambda: None  # noqa: E731
-    assert recorder.wrap("hot", "save_kv_layer", call) is call and recorder.take() is None
+    assert _timed(recorder, "hot", "wait_for_save", call) is call and recorder.take() is None
 
 
 def test_reduce_reports_per_child_numbers() -> None:
@@ -264,16 +290,16 @@ def test_reduce_reports_per_child_numbers() -> None:
 
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"])
     request = make_request("r1")
-    recorder.lookup_started(request.request_id)
-    recorder.wrap("hot", "get_num_new_matched_tokens", lambda r, n: (16, False))(request, 0)
-    recorder.request_admitted(request, 0, 16)
+    answer = _timed(recorder, "hot", "get_num_new_matched_tokens", lambda r, n: (16, False))(request, 0)
+    recorder.request_admitted(request, [answer], [0], 0, 16)
     reduced = KVComposeStats(data={"calls": recorder.take()}).reduce()
     assert reduced["hot.lookup_hits"] == 1 and reduced["hot.lookup.calls"] == 1
     assert reduced["hot.lookup.mean_ms"] >= 0 and "hot.wait_for_save.calls" not in reduced
 
 
 def test_calls_from_two_threads_are_counted_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM calls a connector from one thread per process; the recorder must not miscount if that changes."""
+    """vLLM calls a connector from one thread per process; the recorder must not miscount if that changes
+    (timed calls, errors and what calls meant; the sampling countdown is per operation, not per thread)."""
     import sys
     import threading
 
@@ -281,23 +307,26 @@ def test_calls_from_two_threads_are_counted_exactly(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(recorder_module, "MAX_PENDING_CALLS", 64)  # folds while the other thread appends
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot", "cold"])
-    waits = {child: recorder.wrap(child, "wait_for_save", lambda: None) for child in ("hot", "cold")}
-    loads = {child: recorder.wrap(child, "start_load_kv", _boom) for child in ("hot", "cold")}
-    lookups = {child: recorder.wrap(child, "get_num_new_matched_tokens", lambda request, n: (16, False))
+    waits = {child: _timed(recorder, child, "wait_for_save", lambda: None) for child in ("hot", "cold")}
+    loads = {child: _timed(recorder, child, "start_load_kv", _boom) for child in ("hot", "cold")}
+    lookups = {child: _timed(recorder, child, "get_num_new_matched_tokens", lambda request, n: (16, False))
                for child in ("hot", "cold")}
+    sampler = recorder.sampler(OPERATIONS["wait_for_save"])
     requests = {child: [make_request(f"{child}-{i}") for i in range(200)] for child in ("hot", "cold")}
     calls = 20_000
 
     def work(child: str) -> None:
         for i in range(calls):
+            if i % 64 == 0:
+                sampler.begin(counted=False)  # folds what piled up
             waits[child]()
             if i % 100 == 0:
-                with pytest.raises(Failing):
+                with pytest.raises(Failing) as failure:
                     loads[child](None)
+                recorder.count_error(child, OPERATIONS["start_load_kv"], failure.value)
                 request = requests[child][i // 100]
-                recorder.lookup_started(request.request_id)
-                lookups[child](request, 0)
-                recorder.request_admitted(request, 0, 16)
+                answer = lookups[child](request, 0)
+                recorder.request_admitted(request, [answer], [("hot", "cold").index(child)], 0, 16)
                 recorder.count_load_errors(child, i, {i})
 
     threads = [threading.Thread(target=work, args=(child,)) for child in ("hot", "cold")]

@@ -10,9 +10,9 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
+from kvcompose.operations import OPERATIONS
 from kvcompose.testing import recording
 from kvcompose.testing.steps import forward_step
-from kvcompose.tracing import NoTracing
 from kvcompose.tracing import attributes as attr
 from kvcompose.tracing.exporters import traces_url
 from kvcompose.tracing.records import IdSource
@@ -87,7 +87,7 @@ def test_request_granularity_joins_the_incoming_trace(vllm_config_with: Callable
     assert named["kvcompose.load"][0].attributes[attr.ROLE] == "worker"
     assert sorted(_connectors(named["kvcompose.save"])) == ["cold", "hot"]
     assert all(set(span.attributes) <= ALLOWED_ATTRIBUTES for span in spans)
-    assert scheduler._tracing.open_requests == 0
+    assert scheduler._instrumentation.tracer.open_requests == 0
 
 
 def test_step_granularity_adds_linked_step_spans(vllm_config_with: Callable, exporter: Any) -> None:
@@ -167,7 +167,7 @@ def test_unsampled_requests_create_no_spans_and_no_metadata(vllm_config_with: Ca
 
     assert exporter.get_finished_spans() == ()
     assert metadata.traced_requests is None
-    assert scheduler._tracing.open_requests == 0
+    assert scheduler._instrumentation.tracer.open_requests == 0
 
 
 def test_tracing_off_wraps_nothing(vllm_config_with: Callable, exporter: Any) -> None:
@@ -177,10 +177,11 @@ def test_tracing_off_wraps_nothing(vllm_config_with: Callable, exporter: Any) ->
     scheduler, worker = composite_pair(vllm_config_with, pipeline)
     _serve_one_request(scheduler, worker, make_request("r1", TRACEPARENT))
 
-    assert isinstance(scheduler._tracing, NoTracing)
+    assert scheduler._instrumentation is None and worker._instrumentation is None
     assert exporter.get_finished_spans() == ()
     hot = worker.children[0]
-    assert hot.save_kv_layer == hot.connector.save_kv_layer  # the child's own bound method
+    assert worker._calls.save_kv_layer[0] == hot.connector.save_kv_layer  # the child's own bound method
+    assert "wait_for_save" not in vars(worker)  # the composite's own method, not wrapped
 
 
 @pytest.mark.parametrize(("endpoint", "url"), [
@@ -238,8 +239,10 @@ def test_a_result_of_an_unexpected_shape_is_traced_without_attributes_never_rais
     without result attributes, and the caller gets the result unchanged."""
     scheduler, _ = composite_pair(vllm_config_with, _pipeline({}))
     request = make_request("r1", TRACEPARENT)
-    malformed = scheduler._tracing.wrap(scheduler.children[0].spec, "get_num_new_matched_tokens",
-                                        lambda request, computed: (32,))  # one value, where two belong
+    tracer = scheduler._instrumentation.tracer
+    assert tracer.request_traced(request)
+    malformed = tracer.traced(scheduler.children[0].spec, OPERATIONS["get_num_new_matched_tokens"],
+                              lambda request, computed: (32,))  # one value, where two belong
     assert malformed(request, 0) == (32,)
     scheduler.request_finished(request, [])
 

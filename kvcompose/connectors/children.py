@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +14,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvcompose.compat import check_name_lookups
 from kvcompose.config import ChildConfig, KVRole, Pipeline, load_pipeline
 from kvcompose.metrics.native import class_path
-from kvcompose.operations import CHILD_OPERATIONS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -127,39 +126,19 @@ def _describe_failure(child: ChildConfig, index: int, error: Exception) -> str:
     )
 
 
-CallWrapper = Callable[[ChildSpec, str, Callable[..., Any]], Callable[..., Any]]
-
-
 class Child:
-    """A constructed child connector and the calls the composite makes into it.
+    """A constructed child connector, its place in the pipeline and its error isolation.
 
-    ``child.<operation>(...)`` is the child's bound method, or that method as
-    the ``wrap`` hook makes it (timed, traced, gated by the circuit breaker,
-    isolated); :meth:`bind` makes them again when that changes. Observability
-    and isolation thus wrap any call, at start-up, without touching the
-    forwarding logic. Operations the child's class does not define
-    (``request_finished_all_groups`` without HMA) are absent. (No ``__getattr__``
-    for a friendlier error: on CPython 3.11 it makes every attribute read of
-    the class slower, and these are read on the engine's hot path.)
+    The composite calls it through :class:`~kvcompose.connectors.calls.ChildCalls`, which makes each of its
+    calls once (gated, timed, traced, isolated as needed); ``connector`` is the child itself.
     """
 
-    def __init__(
-        self, spec: ChildSpec, connector: KVConnectorBase_V1, guard: ChildGuard, wrap: CallWrapper | None = None,
-    ) -> None:
+    def __init__(self, spec: ChildSpec, connector: KVConnectorBase_V1, guard: ChildGuard) -> None:
         self.spec = spec
         self.connector = connector
-        self.guard = guard  # its error isolation, which the composite's data-path loops ask for answers
+        self.guard = guard  # its error isolation and circuit breaker
         self.name = spec.name
         self.index = spec.index
         self.load = spec.config.load
         self.save = spec.config.save
         self.class_path = class_path(spec.connector_cls)
-        self._methods = {operation: method for operation in CHILD_OPERATIONS
-                         if (method := getattr(connector, operation, None)) is not None}
-        self._wrap = wrap
-        self.bind()
-
-    def bind(self) -> None:
-        """Make every call as the ``wrap`` hook has it made now."""
-        for operation, method in self._methods.items():
-            setattr(self, operation, self._wrap(self.spec, operation, method) if self._wrap else method)

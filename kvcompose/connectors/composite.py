@@ -3,10 +3,12 @@
 Load from one child (chosen by the pipeline's load policy; ``first_match`` is
 MultiConnector's rule), save to every child with ``save: true``, and forward or
 aggregate every other method of ``KVConnectorBase_V1`` the way MultiConnector
-does. This module holds the forwarding logic only: every call into a child
-goes through ``child.<operation>``, which observability wraps elsewhere. The
-loops over children catch a data-path child's failure themselves and ask the
-child's guard what it answers (see :mod:`kvcompose.connectors.isolation`).
+does. This module holds the forwarding logic only. Each loop iterates the
+operation's calls (``self._calls.<operation>``, see
+:mod:`kvcompose.connectors.calls`), catches a child's failure itself and asks
+the child's guard what it answers (see :mod:`kvcompose.connectors.isolation`). Metrics, tracing and transfer
+tracking wrap this connector's methods from outside, when the pipeline turns
+them on (:mod:`kvcompose.connectors.instrumentation`).
 
 Deliberately not forwarded:
 - ``get_kv_connector_kv_cache_events``: MultiConnector does not aggregate it
@@ -41,9 +43,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvcompose.compat import supports_sleep_mode
+from kvcompose.connectors.calls import ChildCalls
 from kvcompose.connectors.children import (
     Child,
-    ChildSpec,
     child_classes,
     child_specs,
     construct_child,
@@ -51,34 +53,36 @@ from kvcompose.connectors.children import (
     pipeline_from_vllm_config,
     resolved_children,
 )
-from kvcompose.connectors.isolation import BreakerState, ChildGuard
+from kvcompose.connectors.instrumentation import Instrumentation
+from kvcompose.connectors.isolation import ChildGuard
 from kvcompose.connectors.ledger import SchedulerLedger, WorkerLedger
 from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
 from kvcompose.connectors.pairing import PairingCheck, PipelineShape
 from kvcompose.connectors.policies import POLICIES
-from kvcompose.connectors.transfers import (
-    TransferTracker,
-    bytes_per_block,
-    completion_mode,
-    is_first_worker,
-    job_requests,
-)
 from kvcompose.logs import configure_logging, get_logger
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.prometheus import KVComposePromMetrics
-from kvcompose.metrics.recorder import DENSE_FROM_WORKERS, PipelineRecorder
-from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY, TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
-from kvcompose.metrics.telemetry import TelemetryCounters
-from kvcompose.metrics.transfers import TransferRecorder
-from kvcompose.operations import FAILED, OPERATIONS
-from kvcompose.tracing import pipeline_tracer
+from kvcompose.metrics.stats import BREAKERS_KEY, NATIVE_KEY, KVComposeStats
+from kvcompose.operations import FAILED, OPERATIONS, Operation
 
 logger = get_logger("connector")
 
-# The data-path operations, whose failures the loops below catch.
-_LOOKUP, _AFTER_ALLOC = OPERATIONS["get_num_new_matched_tokens"], OPERATIONS["update_state_after_alloc"]
-_START_LOAD, _WAIT_FOR_SAVE = OPERATIONS["start_load_kv"], OPERATIONS["wait_for_save"]
-_TRANSFER_RESULTS, _LOAD_ERRORS = OPERATIONS["get_transfer_results"], OPERATIONS["get_block_ids_with_load_errors"]
+_OPS = OPERATIONS
+_LOOKUP, _AFTER_ALLOC, _BIND = _OPS["get_num_new_matched_tokens"], _OPS["update_state_after_alloc"], _OPS[
+    "bind_connector_metadata"]
+_START_LOAD, _WAIT_FOR_SAVE = _OPS["start_load_kv"], _OPS["wait_for_save"]
+_LAYER_LOAD, _LAYER_SAVE = _OPS["wait_for_layer_load"], _OPS["save_kv_layer"]
+_TRANSFER_RESULTS, _LOAD_ERRORS = _OPS["get_transfer_results"], _OPS["get_block_ids_with_load_errors"]
+_FINISHED, _FINISHED_ALL_GROUPS = _OPS["request_finished"], _OPS["request_finished_all_groups"]
+# The other isolated operations, whose failures the loops below catch as well.
+_CLEAR, _PREEMPTIONS, _FINISH_FORWARD = _OPS["clear_connector_metadata"], _OPS["handle_preemptions"], _OPS[
+    "finish_forward"]
+_WORKER_META, _STATS = _OPS["build_connector_worker_meta"], _OPS["get_kv_connector_stats"]
+_HIT_SOURCES, _NEW_REQUEST, _BUILD_META = _OPS["get_external_cache_hit_sources"], _OPS["on_new_request"], _OPS[
+    "build_connector_meta"]
+_OUTPUT, _FREES, _PUSH, _RESET = _OPS["update_connector_output"], _OPS["has_pending_block_frees"], _OPS[
+    "has_pending_push_work"], _OPS["reset_cache"]
+_NO_MATCH = (0, False)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,89 +105,58 @@ class KVComposeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.pipeline = pipeline_from_vllm_config(vllm_config)
         configure_logging(self.pipeline.logging)
-        self._recorder = PipelineRecorder(
-            self.pipeline.metrics.enabled,
-            self.pipeline.metrics.latency_buckets,
-            [child.name for child in self.pipeline.children],
-            per_layer=self.pipeline.metrics.per_layer,
-            ship_dense=role is KVConnectorRole.WORKER
-            and vllm_config.parallel_config.world_size >= DENSE_FROM_WORKERS,
-        )
-        self._tracing = pipeline_tracer(self.pipeline, role.name.lower())
-        self._guards = [ChildGuard(child, self._guard_changed, self._recorder.count_isolated_error)
-                        for child in self.pipeline.children]
+        specs = child_specs(vllm_config, self.pipeline)
+        # None when the pipeline turns metrics and tracing off: then nothing but forwarding runs.
+        self._instrumentation = Instrumentation.of(self.pipeline, role, specs, vllm_config, kv_cache_config)
+        on_failure = self._instrumentation.failed if self._instrumentation is not None else None
+        self._guards = [ChildGuard(child, self._guard_changed, on_failure) for child in self.pipeline.children]
         for guard in self._guards:
             guard.half_open_at_step_start = role is KVConnectorRole.WORKER
-        self.children = [
-            Child(spec, construct_child(spec, role, kv_cache_config), self._guards[spec.index], self._wrap_child_call)
-            for spec in child_specs(vllm_config, self.pipeline)
-        ]
-        self._loaders = tuple(c for c in self.children if c.load)
-        self._savers = tuple(c for c in self.children if c.save)
-        self._saves_stopped = False  # a load failed this step: no layer saves until it ends
-        observed = self.pipeline.metrics.enabled or self.pipeline.tracing.enabled
-        self._note_saves = observed and role is KVConnectorRole.SCHEDULER
-        self._reports_span_telemetry = self.pipeline.metrics.enabled and self.pipeline.tracing.enabled
-        # Scheduler side: children whose transfers are jobs in their metadata (their requests join the step's trace).
-        self._job_children = [c.index for c in self.children if self.pipeline.tracing.enabled
-                              and completion_mode(c.spec.connector_cls) == "jobs"]
-        self._transfer_recorder = TransferRecorder(
-            self.pipeline.metrics.enabled, [c.name for c in self.children], self.pipeline.metrics.transfer_buckets)
-        self._transfers = TransferTracker(
-            [c.spec for c in self.children], self._guards,
-            bytes_per_block(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size),
-            self._transfer_recorder, self._tracing,
-        ) if observed and role is KVConnectorRole.WORKER and is_first_worker() else None
-        self._bind_layer_calls()
-        self._choose_loader = POLICIES[self.pipeline.load.policy]
+        self._open_guards: list[ChildGuard] = []  # those whose circuit is not closed
+        self._breakers_changed = False  # a circuit changed state since the last stats
+        self.children = [Child(spec, construct_child(spec, role, kv_cache_config), self._guards[spec.index])
+                         for spec in specs]
+        self._child_calls = ChildCalls(self.children, self._instrumentation.call_wrappers()
+                                       if self._instrumentation is not None else None)
+        self._calls = self._child_calls.current  # per operation, the calls its loop makes
+        # The children's indices, in the order they answer lookups.
+        self._loaders = tuple(child.index for child in self.children if child.load)
+        policy = self.pipeline.load.policy
+        # first_match, MultiConnector's rule, is chosen as the loaders answer (no call on every lookup).
+        self._choose_loader = None if policy == "first_match" else POLICIES[policy]
         self._check_hma(vllm_config)
-        logger.info(
-            "pipeline started", pipeline=self.pipeline.name, role=role.name.lower(),
-            children=[f"{c.name}={c.spec.class_name}" for c in self.children],
-            load_policy=self.pipeline.load.policy, metrics=self.pipeline.metrics.enabled,
-            tracing=self.pipeline.tracing.granularity if self.pipeline.tracing.enabled else "off",
-        )
         hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         shape = PipelineShape.of(self.pipeline.name, (c.spec for c in self.children), hma_enabled)
         self._pairing = PairingCheck(shape)  # a prefill/decode pair's pipelines must match
-        self._scheduler_ledger = SchedulerLedger(vllm_config.cache_config.block_size)
+        self._scheduler_ledger = SchedulerLedger(vllm_config.cache_config.block_size, self._loaders)
+        self._lookup_rounds = self._scheduler_ledger.rounds  # written on every lookup
         self._steps = 0  # scheduler side: metadata built so far
         self._worker_ledger = WorkerLedger()
-
-    def _wrap_child_call(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        """How each child operation is made, decided at start-up and again when its breaker changes:
-        timing innermost, then the breaker's gate, then the span, then isolation (off the data path).
-        With nothing to add, the child's own bound method."""
-        declared, guard = OPERATIONS[operation], self._guards[spec.index]
-        gated = guard.gate(declared, self._recorder.wrap(spec.name, operation, call))
-        return guard.isolating(declared, self._tracing.wrap(spec, operation, gated))
+        logger.info(
+            "pipeline started", pipeline=self.pipeline.name, role=role.name.lower(),
+            children=[f"{c.name}={c.spec.class_name}" for c in self.children], load_policy=policy,
+            metrics=self.pipeline.metrics.enabled,
+            tracing=self.pipeline.tracing.granularity if self.pipeline.tracing.enabled else "off",
+        )
+        if self._instrumentation is not None:
+            self._instrumentation.attach(self, self._child_calls, self._scheduler_ledger)
 
     def _guard_changed(self, guard: ChildGuard, state_changed: bool) -> None:
-        self.children[self._guards.index(guard)].bind()
-        self._bind_layer_calls()
-        if state_changed:
-            self._tracing.breaker_changed(guard.name, guard.state.name.lower())
+        self._child_calls.rebuild(self.children[self._guards.index(guard)])
+        self._open_guards = [guard for guard in self._guards if not guard.closed]
+        self._breakers_changed = self._breakers_changed or state_changed
+        if state_changed and self._instrumentation is not None:
+            self._instrumentation.breaker_changed(guard.name, guard.state.name.lower())
 
-    def _bind_layer_calls(self) -> None:
-        """Bind the per-layer calls (made once per layer per step) once, not per
-        call: only children whose circuit is closed; no saves for the rest of a
-        step whose load failed."""
-        closed = [c for c in self.children if c.guard.state is BreakerState.CLOSED]
-        loads = {c.wait_for_layer_load: c for c in closed if c.load}
-        saves = {c.save_kv_layer: c for c in closed if c.save and not self._saves_stopped}
-        # A step with sync loads also marks their end after its last layer wait.
-        transfers = self._transfers
-        load_end = (transfers.layer_waited,) if transfers is not None and transfers.waits_for_loads else ()
-        self._layer_loads, self._layer_saves = tuple(loads) + load_end, tuple(saves)
-        self._layer_owners = {**loads, **saves}
-        self._load_end_bound = bool(load_end)  # for this step only
+    def _answer(self, operation: Operation, call: Callable[..., Any], error: Exception) -> Any:
+        """What the child whose ``call`` raised ``error`` answers (or ``error`` raised again: see its guard)."""
+        return self._child_calls.owner(operation, call).guard.answer(operation, error)
 
-    def _layer_call_failed(self, call: Callable[..., Any], operation: str, error: Exception) -> None:
-        """A per-layer call raised: isolated (a failed load's blocks go back to vLLM), or raised again."""
-        child = self._layer_owners[call]
-        child.guard.answer(OPERATIONS[operation], error)
-        if operation == "wait_for_layer_load":
-            self._fail_loads(child.index)
+    def _load_failed(self, operation: Operation, call: Callable[..., Any], error: Exception) -> None:
+        """A loader's ``call`` raised: once its guard has answered, its loads go back to vLLM."""
+        child = self._child_calls.owner(operation, call)
+        child.guard.answer(operation, error)
+        self._fail_loads(child.index)
 
     def _fail_loads(self, child_index: int) -> None:
         """The child failed this step: its loads go back to vLLM for recompute."""
@@ -193,23 +166,16 @@ class KVComposeConnector(KVConnectorBase_V1):
         """A failed synchronous load means this step's forward reads blocks that
         were never filled: what it saves would poison the other tiers, so no
         child saves a layer until the step ends."""
-        if not self._saves_stopped and any(not plan.load_async for plan in plans):
-            self._saves_stopped = True
-            self._layer_saves = ()
-            if self._transfers is not None:
-                self._transfers.saves_skipped()
+        if self._child_calls.layer_saves and any(not plan.load_async for plan in plans):
+            self._child_calls.layer_saves = False
             logger.warning("layer saves skipped for this step after a failed load",
                            connector=sorted({self.children[plan.child].name for plan in plans}))
 
     def request_state_sizes(self) -> dict[str, int]:
         """Sizes of the per-request maps that are not empty; none should outlive its requests."""
         sizes = {**self._scheduler_ledger.sizes(), **self._worker_ledger.sizes()}
-        if self._transfers is not None:
-            sizes.update(self._transfers.sizes())
-        if self._recorder.open_lookups:
-            sizes["lookup_answers"] = self._recorder.open_lookups
-        if self._tracing.open_requests:
-            sizes["traced_requests"] = self._tracing.open_requests
+        if self._instrumentation is not None:
+            sizes.update(self._instrumentation.sizes())
         return sizes
 
     def _check_hma(self, vllm_config: VllmConfig) -> None:
@@ -234,16 +200,16 @@ class KVComposeConnector(KVConnectorBase_V1):
     # ==============================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for child in self.children:
-            child.register_kv_caches(kv_caches)
+        for register in self._calls.register_kv_caches:
+            register(kv_caches)
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
-        for child in self.children:
-            child.set_host_xfer_buffer_ops(copy_operation)
+        for set_ops in self._calls.set_host_xfer_buffer_ops:
+            set_ops(copy_operation)
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
         """At most one child may own the KV cache memory pool."""
-        pools = [(c.name, ctx) for c in self.children if (ctx := c.get_mem_pool_context()) is not None]
+        pools = [(c.name, ctx) for c in self.children if (ctx := c.connector.get_mem_pool_context()) is not None]
         if len(pools) > 1:
             raise ValueError(
                 f"kvcompose: children {[name for name, _ in pools]} each provide a KV cache memory pool; "
@@ -253,76 +219,76 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(connector_metadata, KVComposeMetadata)
-        for guard in self._guards:
+        for guard in self._open_guards:
             guard.step_started()
-        self._tracing.begin_step(connector_metadata.traced_requests, connector_metadata.loads)
-        if (transfers := self._transfers) is not None:
-            transfers.begin_step(connector_metadata)
-            if transfers.waits_for_loads:
-                self._bind_layer_calls()
         self._loads_failed(self._worker_ledger.begin_step(connector_metadata))
-        for child, metadata in zip(self.children, connector_metadata.per_child, strict=True):
-            if child.bind_connector_metadata(metadata) is FAILED:
-                self._fail_loads(child.index)
+        binds = self._calls.bind_connector_metadata
+        for bind, metadata in zip(binds, connector_metadata.per_child, strict=True):
+            try:
+                bind(metadata)
+            except Exception as error:  # without its metadata, the child cannot load this step
+                self._load_failed(_BIND, bind, error)
         super().bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
-        for child in self.children:
-            child.clear_connector_metadata()
+        for clear in self._calls.clear_connector_metadata:
+            try:
+                clear()
+            except Exception as error:
+                self._answer(_CLEAR, clear, error)
         super().clear_connector_metadata()
         self._worker_ledger.end_step()
-        if self._transfers is not None:
-            self._transfers.end_step()
-        if self._saves_stopped or self._load_end_bound:  # back to every step's layer calls
-            self._saves_stopped = False
-            self._bind_layer_calls()
-        self._tracing.end_step()
+        self._child_calls.layer_saves = True  # back to every step's layer saves
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVComposeMetadata)
-        for child, metadata in zip(self.children, kv_connector_metadata.per_child, strict=True):
-            child.handle_preemptions(metadata)
+        handles = self._calls.handle_preemptions
+        for handle, metadata in zip(handles, kv_connector_metadata.per_child, strict=True):
+            try:
+                handle(metadata)
+            except Exception as error:
+                self._answer(_PREEMPTIONS, handle, error)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        for child in self._loaders:
+        for start_load in self._calls.start_load_kv:
             try:
-                child.start_load_kv(forward_context, **kwargs)
+                start_load(forward_context, **kwargs)
             except Exception as error:
-                child.guard.answer(_START_LOAD, error)
-                self._fail_loads(child.index)
+                self._load_failed(_START_LOAD, start_load, error)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        for wait_for_layer_load in self._layer_loads:
+        for wait in self._calls.wait_for_layer_load:
             try:
-                wait_for_layer_load(layer_name)
+                wait(layer_name)
             except Exception as error:
-                self._layer_call_failed(wait_for_layer_load, "wait_for_layer_load", error)
+                self._load_failed(_LAYER_LOAD, wait, error)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        for save_kv_layer in self._layer_saves:
+        for save in self._calls.save_kv_layer:
             try:
-                save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+                save(layer_name, kv_layer, attn_metadata, **kwargs)
             except Exception as error:
-                self._layer_call_failed(save_kv_layer, "save_kv_layer", error)
+                self._answer(_LAYER_SAVE, save, error)
 
     def wait_for_save(self) -> None:
-        for child in self._savers:
+        for wait in self._calls.wait_for_save:
             try:
-                child.wait_for_save()
+                wait()
             except Exception as error:
-                child.guard.answer(_WAIT_FOR_SAVE, error)
-        if self._transfers is not None:
-            self._transfers.saves_waited()
+                self._answer(_WAIT_FOR_SAVE, wait, error)
 
     def finish_forward(self) -> None:
-        for child in self.children:
-            child.finish_forward()
+        for finish in self._calls.finish_forward:
+            try:
+                finish()
+            except Exception as error:
+                self._answer(_FINISH_FORWARD, finish, error)
 
     def reset_capture_state(self) -> None:
-        for child in self.children:
-            child.reset_capture_state()
+        for reset in self._calls.reset_capture_state:
+            reset()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -333,48 +299,36 @@ class KVComposeConnector(KVConnectorBase_V1):
         last async saver reports it. A child that failed gives up what it owes:
         its saves count as done, its receives as failed (vLLM recomputes)."""
         results = KVConnectorTransferResults()
-        transfers = self._transfers
-        for child in self.children:
+        for index, get_results in enumerate(self._calls.get_transfer_results):
             try:
-                child_results = child.get_transfer_results(finished_req_ids)
+                child_results = get_results(finished_req_ids)
             except Exception as error:
-                child_results = child.guard.answer(_TRANSFER_RESULTS, error)
+                child_results = self._answer(_TRANSFER_RESULTS, get_results, error)
             if child_results is FAILED:
-                child_results = self._worker_ledger.given_up(child.index)
-                if transfers is not None:
-                    transfers.results(child.index, None, finished_req_ids)
-            elif transfers is not None:
-                transfers.results(child.index, child_results, finished_req_ids)
-            self._worker_ledger.settle(child.index, child_results, into=results)
+                child_results = self._worker_ledger.given_up(index)
+            self._worker_ledger.settle(index, child_results, into=results)
         self._worker_ledger.take_failed_recvs(into=results)
-        if transfers is not None:
-            transfers.loads_given_back(results.failed_recving)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """The children's failed blocks, plus those of loads kvcompose gave back
-        for a failed child (counted for that child, by block id: see the recorder)."""
-        step = self._connector_metadata.step if isinstance(self._connector_metadata, KVComposeMetadata) else -1
+        """The children's failed blocks, plus those of loads kvcompose gave back for a failed child."""
         failed: set[int] = set()
-        for child in self.children:
+        for index, get_errors in enumerate(self._calls.get_block_ids_with_load_errors):
             try:
-                child_failed = child.get_block_ids_with_load_errors()
+                child_failed = get_errors()
             except Exception as error:
-                child_failed = child.guard.answer(_LOAD_ERRORS, error)
+                child_failed = self._answer(_LOAD_ERRORS, get_errors, error)
             if child_failed is FAILED:
-                self._fail_loads(child.index)
+                self._fail_loads(index)
             elif child_failed:
                 failed |= child_failed
-                self._recorder.count_load_errors(child.name, step, child_failed)
         load_errors, given_back = self._worker_ledger.take_load_errors()
-        for index, blocks in given_back.items():
-            self._recorder.count_load_errors(self.children[index].name, step, blocks)
-        if self._transfers is not None:
-            self._transfers.load_errors(failed | load_errors)
+        if given_back and self._instrumentation is not None:
+            self._instrumentation.loads_given_back(given_back)
         return failed | load_errors
 
     def get_finished_count(self) -> int | None:
-        counts = [child.get_finished_count() for child in self.children]
+        counts = [count() for count in self._calls.get_finished_count]
         if any(count is None for count in counts):
             return None
         distinct = set(counts)
@@ -384,82 +338,87 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """The first child's handshake metadata that is not None."""
-        for child in self.children:
-            if (metadata := child.get_handshake_metadata()) is not None:
+        for get_metadata in self._calls.get_handshake_metadata:
+            if (metadata := get_metadata()) is not None:
                 return metadata
         return None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        per_child = tuple(child.build_connector_worker_meta() for child in self.children)
-        if self._transfers is not None:
-            for index, metadata in enumerate(per_child):
-                self._transfers.worker_meta(index, metadata)
+        per_child = []
+        for build in self._calls.build_connector_worker_meta:
+            try:
+                per_child.append(build())
+            except Exception as error:
+                per_child.append(self._answer(_WORKER_META, build, error))
         if all(metadata is None for metadata in per_child):
             return None
-        return KVComposeWorkerMetadata(per_child=per_child)
+        return KVComposeWorkerMetadata(per_child=tuple(per_child))
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """kvcompose's per-child call stats plus each child's own stats, since the last call."""
-        calls = self._recorder.take()  # None, or a table of at least one call
-        transfers = self._transfer_recorder.take() if self._transfers is not None else None  # only its tracker records
-        telemetry = self._span_telemetry() if self._reports_span_telemetry else None
-        breakers = {child.name: report for child, guard in zip(self.children, self._guards, strict=True)
-                    if (report := guard.take_report()) is not None}
-        native = {child.name: NativeStats(child.class_path, child_stats) for child in self.children
-                  if (child_stats := child.get_kv_connector_stats()) is not None and not child_stats.is_empty()}
-        if calls is None and transfers is None and telemetry is None and not breakers and not native:
+        """Each child's own stats and its breaker's report, and (with metrics on) kvcompose's tables, since
+        the last call."""
+        native = {}
+        for child, get_stats in zip(self.children, self._calls.get_kv_connector_stats, strict=True):
+            try:
+                child_stats = get_stats()
+            except Exception as error:
+                child_stats = self._answer(_STATS, get_stats, error)
+            if child_stats is not None and not child_stats.is_empty():
+                native[child.name] = NativeStats(child.class_path, child_stats)
+        breakers = {}
+        if self._open_guards or self._breakers_changed:  # else every circuit is closed and was at the last report
+            self._breakers_changed = False
+            breakers = {guard.name: report for guard in self._guards if (report := guard.take_report()) is not None}
+        tables = self._instrumentation.take_tables() if self._instrumentation is not None else None
+        if not (native or breakers or tables):
             return None
-        return KVComposeStats(data={CALLS_KEY: calls, TRANSFERS_KEY: transfers, TELEMETRY_KEY: telemetry,
-                                    BREAKERS_KEY: breakers, NATIVE_KEY: native})
-
-    def _span_telemetry(self) -> TelemetryCounters | None:
-        """Spans this process dropped since the last report, and those waiting for export."""
-        dropped, queued = self._tracing.telemetry()
-        return TelemetryCounters(dropped, queued) if dropped or queued else None
+        return KVComposeStats(data={**(tables or {}), BREAKERS_KEY: breakers, NATIVE_KEY: native})
 
     # ==============================
     # Scheduler-side methods
     # ==============================
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
-        for child in self.children:
-            child.bind_kv_cache_manager(kv_cache_manager)
+        for bind in self._calls.bind_kv_cache_manager:
+            bind(kv_cache_manager)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        for child in self.children:
-            child.bind_gpu_block_pool(gpu_block_pool)
+        for bind in self._calls.bind_gpu_block_pool:
+            bind(gpu_block_pool)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if request.kv_transfer_params:  # a remote prefill's: check the pair's pipelines match
             self._pairing.check(request.kv_transfer_params)
-        self._recorder.lookup_started(request.request_id)
         answers = []  # every loader is asked, as MultiConnector does, so each sees the request's lookup
-        for child in self._loaders:
+        first = None  # position of the first answer with tokens: MultiConnector's rule (first_match)
+        for lookup in self._calls.get_num_new_matched_tokens:
             try:
-                answer = child.get_num_new_matched_tokens(request, num_computed_tokens)
+                answer = lookup(request, num_computed_tokens)
             except Exception as error:
-                answer = child.guard.answer(_LOOKUP, error)
-            if answer[0] is None:  # still looking: the whole answer is "ask again later"
+                answer = self._answer(_LOOKUP, lookup, error)
+            if (tokens := answer[0]) is None:  # still looking: the whole answer is "ask again later"
                 return None, False
+            if first is None and tokens > 0:
+                first = len(answers)
             answers.append(answer)
-        chosen = self._choose_loader(answers)
-        if chosen is None:
-            self._scheduler_ledger.choose(request.request_id, None, num_computed_tokens, False)
-            return 0, False
-        tokens, load_async = answers[chosen]
-        self._scheduler_ledger.choose(request.request_id, self._loaders[chosen].index, num_computed_tokens, load_async)
-        return tokens, load_async
+        chosen = first if self._choose_loader is None else self._choose_loader(answers)
+        self._lookup_rounds[request.request_id] = (answers, chosen, num_computed_tokens)
+        return _NO_MATCH if chosen is None else answers[chosen]
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         loader = self._scheduler_ledger.loader_of(request.request_id)
         if loader is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
-        return self.children[loader].get_external_cache_hit_sources(request, num_external_tokens)
+        get_sources = self._calls.get_external_cache_hit_sources[loader]
+        try:
+            return get_sources(request, num_external_tokens)
+        except Exception as error:
+            return self._answer(_HIT_SOURCES, get_sources, error)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         loader = self._scheduler_ledger.loader_of(request.request_id)
         assert loader is not None, "vLLM asks only about requests a child loads"
-        return self.children[loader].get_loaded_kv_cache_group_ids(request)
+        return self._calls.get_loaded_kv_cache_group_ids[loader](request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """The loading child gets the external token count; every other child
@@ -467,38 +426,36 @@ class KVComposeConnector(KVConnectorBase_V1):
         planned for the workers, or cancelled if the loading child failed."""
         loading = self._scheduler_ledger.loader_of(request.request_id) if num_external_tokens > 0 else None
         accepted = True
-        for child in self.children:
+        for index, update in enumerate(self._calls.update_state_after_alloc):
             try:
-                child.update_state_after_alloc(request, blocks, num_external_tokens if child.index == loading else 0)
+                update(request, blocks, num_external_tokens if index == loading else 0)
             except Exception as error:
-                child.guard.answer(_AFTER_ALLOC, error)
-                accepted = accepted and child.index != loading
+                self._answer(_AFTER_ALLOC, update, error)
+                accepted = accepted and index != loading
         if loading is not None:
             self._scheduler_ledger.plan_load(request.request_id, blocks, num_external_tokens, accepted)
-        self._recorder.request_admitted(request, loading if accepted else None, num_external_tokens)
 
     def on_new_request(self, request: Request) -> None:
-        for child in self.children:
-            child.on_new_request(request)
+        for on_new in self._calls.on_new_request:
+            try:
+                on_new(request)
+            except Exception as error:
+                self._answer(_NEW_REQUEST, on_new, error)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVComposeMetadata:
         """Each child's metadata, and what the workers need to repair failures.
         A child that fails here sends none, and its planned loads are cancelled."""
         per_child = []
-        for child in self.children:
-            child_metadata = child.build_connector_meta(scheduler_output)
-            if child_metadata is FAILED:
-                child_metadata = None
-                self._scheduler_ledger.cancel_loads_of(child.index)
-            per_child.append(child_metadata)
+        for index, build in enumerate(self._calls.build_connector_meta):
+            try:
+                per_child.append(build(scheduler_output))
+            except Exception as error:
+                self._answer(_BUILD_META, build, error)
+                per_child.append(None)
+                self._scheduler_ledger.cancel_loads_of(index)
         self._steps += 1
         metadata = KVComposeMetadata(per_child=tuple(per_child), step=self._steps)
         self._scheduler_ledger.fill(metadata)
-        if self._note_saves:
-            metadata.saves = {new.req_id: len(new.block_ids[0]) if new.block_ids else 0
-                              for new in scheduler_output.scheduled_new_reqs} or None
-        moving = job_requests(per_child[index] for index in self._job_children) if self._job_children else ()
-        metadata.traced_requests = self._tracing.step_requests(scheduler_output, metadata.loads, moving)
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -506,103 +463,122 @@ class KVComposeConnector(KVConnectorBase_V1):
         composite_meta = connector_output.kv_connector_worker_meta
         assert composite_meta is None or isinstance(composite_meta, KVComposeWorkerMetadata)
         try:
-            for child in self.children:
+            for index, update in enumerate(self._calls.update_connector_output):
                 if composite_meta is not None:
-                    connector_output.kv_connector_worker_meta = composite_meta.per_child[child.index]
-                child.update_connector_output(connector_output)
+                    connector_output.kv_connector_worker_meta = composite_meta.per_child[index]
+                try:
+                    update(connector_output)
+                except Exception as error:
+                    self._answer(_OUTPUT, update, error)
         finally:
             connector_output.kv_connector_worker_meta = composite_meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._finish_request(request, "request_finished", block_ids)
+        return self._finish_request(request, block_ids, self._calls.request_finished, _FINISHED)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """HMA variant of ``request_finished`` (only called when every child supports HMA)."""
-        return self._finish_request(request, "request_finished_all_groups", block_ids)
+        return self._finish_request(request, block_ids, self._calls.request_finished_all_groups,
+                                    _FINISHED_ALL_GROUPS)
 
     def _finish_request(
-        self, request: Request, operation: str, block_ids: list[int] | tuple[list[int], ...]
+        self, request: Request, block_ids: list[int] | tuple[list[int], ...],
+        finishes: tuple[Callable[..., tuple[bool, dict[str, Any] | None]], ...], operation: Operation,
     ) -> tuple[bool, dict[str, Any] | None]:
         """Ask every child; merge their kv_transfer_params (a key clash is an
         error) and note its async savers so the request is reported sent once."""
         async_savers: list[int] = []
         params: dict[str, Any] | None = None
         try:
-            for child in self.children:
+            for index, finish in enumerate(finishes):
                 try:
-                    saves_async, child_params = getattr(child, operation)(request, block_ids)
+                    saves_async, child_params = finish(request, block_ids)
                 except Exception as error:
-                    saves_async, child_params = child.guard.answer(OPERATIONS[operation], error)
+                    saves_async, child_params = self._answer(operation, finish, error)
                 if saves_async:
-                    async_savers.append(child.index)
+                    async_savers.append(index)
                 if child_params is not None:
                     if params is None:
                         params = child_params
                     elif clashes := params.keys() & child_params.keys():
                         raise RuntimeError(
-                            f"kvcompose: child {child.name!r} returns kv_transfer_params keys {sorted(clashes)} "
-                            "that an earlier child already set"
+                            f"kvcompose: child {self.children[index].name!r} returns kv_transfer_params keys "
+                            f"{sorted(clashes)} that an earlier child already set"
                         )
                     else:
                         params.update(child_params)
         finally:
             self._scheduler_ledger.finished(request.request_id, async_savers)
-            self._recorder.request_finished(request.request_id)
-            self._tracing.request_finished(request, saves_async=bool(async_savers))
         return bool(async_savers), self._pairing.stamp(params)
 
     def register_finished_partial_tail(
         self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]
     ) -> bool:
-        accepted = [
-            child.register_finished_partial_tail(request, block_ids, partial_tail_offloads) for child in self.children
-        ]
+        accepted = [register(request, block_ids, partial_tail_offloads)
+                    for register in self._calls.register_finished_partial_tail]
         return any(accepted)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        for child in self.children:
-            yield from child.take_events()
+        for take in self._calls.take_events:
+            yield from take()
 
     def has_pending_block_frees(self) -> bool:
-        return any(child.has_pending_block_frees() for child in self.children)
+        return self._any_child(_FREES, self._calls.has_pending_block_frees)
 
     def has_pending_push_work(self) -> bool:
-        return any(child.has_pending_push_work() for child in self.children)
+        return self._any_child(_PUSH, self._calls.has_pending_push_work)
+
+    def _any_child(self, operation: Operation, calls: tuple[Callable[[], bool], ...]) -> bool:
+        """True as soon as a child's call answers True (later children are not asked, as with ``any``)."""
+        for call in calls:
+            try:
+                if call():
+                    return True
+            except Exception as error:
+                if self._answer(operation, call, error):
+                    return True
+        return False
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        for child in self.children:
-            child.set_xfer_handshake_metadata(metadata)
+        for set_metadata in self._calls.set_xfer_handshake_metadata:
+            set_metadata(metadata)
 
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
-        for child in self.children:
-            child.set_xfer_handshake_metadata_pp_aware(metadata)
+        for set_metadata in self._calls.set_xfer_handshake_metadata_pp_aware:
+            set_metadata(metadata)
 
     def reset_cache(self) -> bool:
-        results = [child.reset_cache() is not False for child in self.children]
-        return all(results)
+        every_child_reset = True
+        for reset in self._calls.reset_cache:  # every child is asked, even after one says no
+            try:
+                reset_ = reset()
+            except Exception as error:
+                reset_ = self._answer(_RESET, reset, error)
+            every_child_reset = every_child_reset and reset_ is not False
+        return every_child_reset
 
     def shutdown(self) -> None:
-        """Close the tracer and shut every child down, whatever fails; then re-raise the last failure, if any."""
-        if self._transfers is not None:
-            self._transfers.close()
-        tracer_failure: Exception | None = None
-        try:
-            self._tracing.close()
-        except Exception as error:
-            logger.error("tracer failed to close", error_type=type(error).__name__)
-            tracer_failure = error
-        self._call_every_child("shutdown", failure=tracer_failure)
+        """Close the instrumentation and shut every child down, whatever fails; then re-raise the last
+        failure, if any."""
+        failure: Exception | None = None
+        if self._instrumentation is not None:
+            try:
+                self._instrumentation.close()
+            except Exception as error:
+                logger.error("instrumentation failed to close", error_type=type(error).__name__)
+                failure = error
+        self._call_every_child("shutdown", failure=failure)
 
     def _call_every_child(self, operation: str, failure: Exception | None = None) -> None:
         """Call ``operation`` on every child that has it, even after one fails; then
         re-raise the last failure (``failure``: one that happened before). A child's class
         from before vLLM added the operation has none: the base class's default did nothing."""
         for child in self.children:
-            call = getattr(child, operation, None)
+            call = getattr(child.connector, operation, None)
             if call is None:
                 continue
             try:

@@ -9,12 +9,12 @@ will not happen, a save that will never be reported), the answer is
 returns (``take_events`` may return a generator) is isolated while it is
 iterated: the events yielded before the failure are kept.
 
-Where the failure is caught: data-path calls (``Operation.data_path``: the
-calls that find, load and save KV, made per request, step or layer) are made
-by the composite's own loops, which catch a failure and ask
-:meth:`ChildGuard.answer` for the answer; no wrapper frame stands between
-them and the child. Every other isolated call is wrapped once
-(:meth:`ChildGuard.isolating`).
+Where the failure is caught: the composite's own loops catch a failure and
+ask :meth:`ChildGuard.answer` for the answer, so no wrapper frame stands
+between them and the child. Only a result iterated after the call
+(``take_events``) is isolated by a wrapper (:meth:`ChildGuard.isolating`).
+The data-path calls (``Operation.data_path``: those that find, load and save
+KV, made per request, step or layer) are the ones the circuit breaker watches.
 
 The circuit breaker watches the data path only. It counts consecutive
 failures per operation: ``circuit_breaker.failures`` failed calls of one
@@ -80,7 +80,7 @@ class BreakerState(enum.IntEnum):
     HALF_OPEN = 2
 
 
-FailureHook = Callable[[str, str, Exception], None]  # (child name, operation, error)
+FailureHook = Callable[[str, Operation, Exception], None]  # (child name, operation, error)
 # Told when the child's calls must be bound again: (guard, whether the circuit changed state).
 ChangeHook = Callable[["ChildGuard", bool], None]
 
@@ -88,9 +88,9 @@ ChangeHook = Callable[["ChildGuard", bool], None]
 class ChildGuard:
     """Isolation and the circuit breaker of one child, in one process.
 
-    ``on_change`` is told when the child's calls must be bound again (the
+    ``on_change`` is told when the child's calls must be made again (the
     circuit changed state, or an operation has failures to forget or no
-    longer has), ``on_failure`` of every isolated failure (for the metrics).
+    longer has), ``on_failure`` of every failure a call raised (for the metrics).
     """
 
     def __init__(
@@ -117,6 +117,10 @@ class ChildGuard:
         # Worker side: an open circuit turns half open only when a step starts (step_started), so the
         # child is given that step's metadata before its probe; mid-step, its probe would find none.
         self.half_open_at_step_start = False
+
+    @property
+    def closed(self) -> bool:
+        return self.state is BreakerState.CLOSED
 
     # ---- how a call is made (bound again on every change) ----
 
@@ -169,18 +173,17 @@ class ChildGuard:
         return housekeeping
 
     def isolating(self, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
-        """``call`` answering its failures, for an isolated operation off the data path (the
-        composite's loops catch the data path's themselves)."""
-        if not self.isolate or operation.fallback is None or operation.data_path:
+        """``call`` answering its failures, for an isolated operation whose result is iterated after the call
+        (the composite's loops catch every other failure themselves)."""
+        if not self.isolate or operation.fallback is None or not operation.iterated:
             return call
-        iterated = operation.iterated
 
         def isolated(*args: Any, **kwargs: Any) -> Any:
             try:
                 result = call(*args, **kwargs)
             except Exception as error:
                 return self.answer(operation, error)
-            return self._isolate_iteration(operation, result) if iterated else result
+            return self._isolate_iteration(operation, result)
 
         return isolated
 
@@ -201,14 +204,14 @@ class ChildGuard:
 
     def answer(self, operation: Operation, error: Exception) -> Any:
         """What a failed (or skipped) call of ``operation`` answers: its fallback, once the failure is
-        recorded. Re-raises ``error`` if this child does not isolate its errors."""
+        recorded. Re-raises ``error``, recorded, if this child does not isolate its errors."""
         if isinstance(error, CircuitOpen):
             self.failures += 1
             self.last_error_type = CIRCUIT_OPEN
             return operation.fallback()  # type: ignore[misc]
+        self._failed(operation, error)
         if not self.isolate or operation.fallback is None:
             raise error
-        self._failed(operation, error)
         return operation.fallback()
 
     def _cooled_down(self) -> bool:
@@ -231,10 +234,10 @@ class ChildGuard:
             self._on_change(self, False)
 
     def _failed(self, operation: Operation, error: Exception) -> None:
-        """Record an isolated failure: log it, report it; a data-path failure counts toward opening
+        """Record a failure: log it, report it; an isolated data-path failure counts toward opening
         the circuit."""
         name = operation.name
-        counts = self._breaker_enabled and operation.data_path
+        counts = self._breaker_enabled and operation.data_path and self.isolate and operation.fallback is not None
         first = False
         if counts:
             failures = self.consecutive_failures.get(name, 0) + 1
@@ -246,7 +249,7 @@ class ChildGuard:
             consecutive_failures=self.consecutive_failures.get(name, 0), isolated=self.isolate,
         )
         if self._on_failure is not None:
-            self._on_failure(self.name, name, error)
+            self._on_failure(self.name, operation, error)
         if counts and (self.state is BreakerState.HALF_OPEN or self.consecutive_failures[name] >= self._threshold):
             self._open()
         elif first and self._on_change is not None:

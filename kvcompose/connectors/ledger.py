@@ -13,6 +13,7 @@ each step's metadata; each worker's :class:`WorkerLedger` settles them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -23,10 +24,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
 
-# (index of the child that loads the request, tokens vLLM had computed locally when it asked, whether
-# the child loads asynchronously). A plain tuple: it is made on every lookup with a hit, and a named
-# tuple costs ~300 ns more to make on these CPUs.
-ChosenLoader = tuple[int, int, bool]
+# The loaders' answers to a request's latest lookup round (pipeline order of the loaders), the position of
+# the answer chosen (None: no loader loads it) and the tokens vLLM had computed locally when it asked.
+# A plain tuple, made on every lookup.
+LookupRound = tuple[list[tuple[int, bool]], "int | None", int]
 
 
 def external_block_ids(blocks: KVCacheBlocks, local_tokens: int, external_tokens: int, block_size: int) -> tuple[int, ...]:
@@ -37,29 +38,35 @@ def external_block_ids(blocks: KVCacheBlocks, local_tokens: int, external_tokens
 
 
 class SchedulerLedger:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, loaders: Sequence[int]) -> None:
         self._block_size = block_size
-        self.loading: dict[str, ChosenLoader] = {}  # request id -> the child chosen to load it
+        self.loaders = tuple(loaders)  # the loaders' child indices, in the order they answer lookups
+        # Request id -> its latest lookup round; written by the composite as it looks up, read by the
+        # instrumentation when the request is admitted (hits and misses are counted then).
+        self.rounds: dict[str, LookupRound] = {}
         # Until the next step's metadata: loads planned or cancelled, async savers of finished requests.
         self._planned: dict[str, LoadPlan] = {}
         self._cancelled: dict[str, LoadPlan] = {}
         self._async_savers: dict[str, tuple[int, ...]] = {}
 
-    def choose(self, req_id: str, child: int | None, local_tokens: int, load_async: bool) -> None:
-        if child is None:
-            self.loading.pop(req_id, None)
-        else:
-            self.loading[req_id] = (child, local_tokens, load_async)
-
     def loader_of(self, req_id: str) -> int | None:
         """The index of the child chosen to load the request, if one was."""
-        chosen = self.loading.get(req_id)
-        return None if chosen is None else chosen[0]
+        looked_up = self.rounds.get(req_id)
+        if looked_up is None or looked_up[1] is None:
+            return None
+        return self.loaders[looked_up[1]]
+
+    def planned_loader(self, req_id: str) -> int | None:
+        """The index of the child whose load of the request is planned for the next step (it accepted it)."""
+        plan = self._planned.get(req_id)
+        return None if plan is None else plan.child
 
     def plan_load(self, req_id: str, blocks: KVCacheBlocks, external_tokens: int, accepted: bool) -> None:
         """Record the load the chosen child accepted (or failed to accept) for the workers."""
-        child, local_tokens, load_async = self.loading[req_id]
-        plan = LoadPlan(child, external_block_ids(blocks, local_tokens, external_tokens, self._block_size), load_async)
+        answers, chosen, local_tokens = self.rounds[req_id]
+        assert chosen is not None, "a load is planned only for a request a loader was chosen for"
+        block_ids = external_block_ids(blocks, local_tokens, external_tokens, self._block_size)
+        plan = LoadPlan(self.loaders[chosen], block_ids, answers[chosen][1])
         (self._planned if accepted else self._cancelled)[req_id] = plan
 
     def cancel_loads_of(self, child: int) -> None:
@@ -67,7 +74,7 @@ class SchedulerLedger:
             self._cancelled[req_id] = self._planned.pop(req_id)
 
     def finished(self, req_id: str, async_savers: list[int]) -> None:
-        self.loading.pop(req_id, None)
+        self.rounds.pop(req_id, None)
         if async_savers:
             self._async_savers[req_id] = tuple(async_savers)
 
@@ -79,7 +86,7 @@ class SchedulerLedger:
         self._async_savers, self._planned, self._cancelled = {}, {}, {}
 
     def sizes(self) -> dict[str, int]:
-        entries = {"loading": self.loading, "planned_loads": self._planned, "cancelled_loads": self._cancelled,
+        entries = {"lookup_rounds": self.rounds, "planned_loads": self._planned, "cancelled_loads": self._cancelled,
                    "async_savers": self._async_savers}
         return {name: len(entries) for name, entries in entries.items() if entries}
 

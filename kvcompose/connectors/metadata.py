@@ -37,6 +37,9 @@ class KVComposeMetadata(KVConnectorMetadata):
     saves: dict[str, int] | None = None
     # The step's sampled requests, so worker-side spans join their traces.
     traced_requests: tuple[TracedRequest, ...] | None = None
+    # The step runs no forward pass (the engine is about to go idle, or waits): the workers credit every
+    # operation's untimed calls in this step's stats (see kvcompose.metrics.recorder).
+    flush_stats: bool = False
 
 
 @dataclass

@@ -122,6 +122,7 @@ class TransferTracker:
         self._specs = specs
         self._guards = guards
         self._modes = [completion_mode(spec.connector_cls) for spec in specs]
+        self._job_children = [spec.index for spec in specs if self._modes[spec.index] == "jobs"]
         self._savers = [spec.index for spec in specs if spec.config.save and self._modes[spec.index] == "sync"]
         self._block_bytes = block_bytes
         self._recorder = recorder
@@ -139,6 +140,9 @@ class TransferTracker:
 
     def begin_step(self, metadata: KVComposeMetadata) -> None:
         """Open the transfers the step's metadata issues."""
+        if not (metadata.loads or metadata.saves or metadata.async_saves or self._job_children):
+            self._failures_at_bind = []  # a step that moves nothing of ours: no transfer starts
+            return
         self._failures_at_bind = [guard.failures for guard in self._guards]
         for req_id, plan in (metadata.loads or {}).items():
             if self._modes[plan.child] == "jobs":
@@ -155,9 +159,19 @@ class TransferTracker:
             for child in savers:
                 if self._modes[child] == "finish":
                     self._open[(child, req_id, "save")] = self._start(child, "save", req_id, 0)
-        for child, child_metadata in enumerate(metadata.per_child):
-            if self._modes[child] == "jobs" and child_metadata is not None:
+        for child in self._job_children:
+            if (child_metadata := metadata.per_child[child]) is not None:
                 self._start_jobs(child, child_metadata)
+
+    @property
+    def open(self) -> bool:
+        """True while a transfer spans steps (async loads, sends, jobs)."""
+        return bool(self._open)
+
+    @property
+    def saves_open(self) -> bool:
+        """True when the step has sync saves, which its ``wait_for_save`` completes."""
+        return bool(self._step_saves)
 
     @property
     def waits_for_loads(self) -> bool:
@@ -186,6 +200,9 @@ class TransferTracker:
         self._load_error_blocks |= blocks
 
     def end_step(self) -> None:
+        if not (self._step_loads or self._step_saves or self._open):  # the step moved nothing tracked
+            self._load_end_ns, self._load_error_blocks = 0, set()
+            return
         end = self._load_end_ns or time_ns()
         for transfer in self._step_loads:
             failed = self._failed_this_step(transfer.child) or not self._load_error_blocks.isdisjoint(

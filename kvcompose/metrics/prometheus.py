@@ -9,8 +9,9 @@ Children's own metrics are built once per child class with an extra
 index, so two children of one class no longer register the same series
 twice (vLLM issue 39906) and stay apart on the dashboard.
 
-Histograms are fed whole cells (kvcompose.metrics.histograms); the transfer
-series, exemplars included, are kvcompose.metrics.transfer_series.
+Histograms are fed whole cells, one bucket and sum increment each where the
+series allows (kvcompose.metrics.histograms); the transfer series, exemplars
+included, are kvcompose.metrics.transfer_series.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-from kvcompose.metrics.histograms import replay_cell
+from kvcompose.metrics.histograms import CellAdder, cell_adder
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY, TELEMETRY_KEY, TRANSFERS_KEY
 from kvcompose.metrics.table import COUNTERS, CallTable
@@ -128,8 +129,8 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
                 for metric, extra_labels in _COUNTER_SERIES.values():
                     getattr(self, metric).labels(*engine_labels, spec.name, *extra_labels)
                 self.load_error_blocks.labels(*engine_labels, spec.name)
-        # (engine, child, op) -> histogram series: labels() costs more than an observation.
-        self._duration_series: dict[tuple[int, str, str], Any] = {}
+        # (engine, child, op) -> how to add a cell to its histogram series: labels() costs more than that.
+        self._duration_series: dict[tuple[int, str, str], CellAdder] = {}
         self._transfers = TransferSeries(metric_types, names, per_engine_labelvalues, [spec.name for spec in specs],
                                          pipeline.metrics.transfer_buckets)
         self.spans_dropped = self._counter_cls(
@@ -167,9 +168,10 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
         engine_labels = self.per_engine_labelvalues[engine_idx]
         for cell, (count, seconds) in table.cells.items():
             key = (engine_idx, *table.operation_of(cell))
-            if (series := self._duration_series.get(key)) is None:
-                series = self._duration_series[key] = self.duration.labels(*engine_labels, *key[1:])
-            replay_cell(series, self._latency_bounds, cell % table.buckets, count, seconds)
+            if (add := self._duration_series.get(key)) is None:
+                series = self.duration.labels(*engine_labels, *key[1:])
+                add = self._duration_series[key] = cell_adder(series, self._latency_bounds)
+            add(cell % table.buckets, count, seconds, None)
         for index, amount in enumerate(table.counters):
             if amount:
                 row, column = divmod(index, len(COUNTERS))

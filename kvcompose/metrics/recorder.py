@@ -1,58 +1,167 @@
-"""Per-process recording of every child call: latency, errors and what the call meant.
+"""Per-process recording of the composite's calls into its children: latency, counts and what the calls meant.
 
-The composite asks :meth:`PipelineRecorder.wrap` to wrap each child operation
-once, at start-up. A wrapped call costs two clock reads and one list append;
-latencies are sorted into buckets only when vLLM asks for the step's stats
-(:meth:`PipelineRecorder.take`).
+Latency is measured on a sample of each operation's calls. Two clock reads
+cost more than a call into a child that has nothing to do (about 40 ns each
+against 20-35 ns on these CPUs), so timing every call would cost several times
+MultiConnector's forwarding; a sample of one call in ``metrics.sample_every``
+(default 32) costs a countdown per call. The sample is taken per composite
+operation (:class:`OperationSampler`): a sampled call of the composite times
+every child it calls, through their timed calls (:meth:`PipelineRecorder.timed`).
 
-What the calls meant is counted where vLLM counts it, by the composite's hooks:
+Every call is still counted. A timed call stands for itself and for the
+untimed calls of its operation since the previous timed one: its bucket gets
+that many calls (its *weight*), and the summed seconds that many times its
+latency. So the latency histogram's buckets and count add up to the calls
+kvcompose made, and ``_sum`` is an estimate. The calls made since an
+operation's last timed call are credited to that call's bucket when the engine
+goes idle (:meth:`PipelineRecorder.flush`); after that, the next call of an
+operation not timed in the last second is timed, so a lightly loaded engine
+still shows every operation's latency. While the engine is busy, an
+operation's count trails by fewer than ``sample_every`` calls. With
+``sample_every: 1`` every call is timed and counted at once.
+
+What the calls meant is counted where vLLM counts it, told by the
+instrumentation:
 
 - lookups (hit or miss, tokens matched) once per admitted request, when vLLM
-  allocates its blocks (``update_state_after_alloc``), from the children's
-  answers in the request's last lookup round: vLLM asks again every step while
-  a request waits for blocks, and counts its own external-cache hits at
-  admission too. Like vLLM's hit ratio, a request readmitted after preemption
-  is not counted again. Every lookup call is still timed (the ``lookup``
-  operation's call count includes the retries);
-- tokens loaded, at admission, for the child chosen to load;
+  allocates its blocks, from the loaders' answers in the request's last lookup
+  round (vLLM asks again every step while a request waits for blocks, and
+  counts its own external-cache hits at admission too). Like vLLM's hit
+  ratio, a request readmitted after preemption is not counted again. A loader
+  whose lookup failed is counted neither way;
+- tokens loaded, at admission, for the child chosen to load (if it accepted);
 - blocks that failed to load, as block ids per scheduler step (see
   :class:`~kvcompose.metrics.table.CallTable`), so merging the workers' stats
-  takes the union vLLM takes.
+  takes the union vLLM takes;
+- every failure a child call raised (from its guard, timed or not).
 
-Thread safety: vLLM 0.30-0.33 calls a connector from one thread per process,
-but nothing here relies on it. A timed call appends one ``(slot, seconds)``
-tuple, and a lookup's answer is one store into its request's list, both atomic;
-folding, counting, errors and taking the stats hold a lock. Calls from several
-threads are counted exactly, and the one thread vLLM uses takes no lock per call.
+Threads: vLLM 0.30-0.33 calls a connector from one thread per process. Folding,
+counting, errors and taking the stats hold a lock; a timed call appends one
+tuple (atomic). Sampling keeps its countdown without a lock: calls made from
+several threads at once are all counted, but their weights may be off by the
+calls that raced.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Collection, Iterable, Sequence
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import TYPE_CHECKING, Any
 
 from kvcompose.metrics.table import COUNTERS, OPS, CallTable, Cells, ErrorCounts, LoadErrors
-from kvcompose.operations import OPERATIONS, Granularity
+from kvcompose.operations import FAILED_LOOKUP, Granularity, Operation
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
-
-LOOKUP = "get_num_new_matched_tokens"
 
 # From this many workers up, a worker ships its table dense: the scheduler then
 # merges each worker's table in one array operation (see kvcompose.metrics.table).
 DENSE_FROM_WORKERS = 8
 
-# Latencies kept unbucketed before they are folded into the table; bounds the
+# Timed calls kept unbucketed before they are folded into the table; bounds the
 # memory of a process whose stats nobody takes (vLLM takes them every step).
 MAX_PENDING_CALLS = 1 << 16
+
+# After the engine was idle, an operation whose last timed call is older than this has its next call timed:
+# a lightly loaded engine still shows each operation's latency every second or so.
+RESAMPLE_AFTER_S = 1.0
 
 _NO_COUNTS = [0] * len(COUNTERS)
 _HITS, _MISSES, _MATCHED, _LOADED = (COUNTERS.index(name) for name in (
     "lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens"))
+
+# A call of the composite's method, with its own signature: counted down, and passed to ``sampled`` when it
+# is the one to time. Generated per signature (as dataclasses does) so that the untimed call, nearly every
+# call, packs no ``*args``.
+_COUNTDOWN = """
+def countdown(function, instance, sampled):
+    left = 1
+    def call({parameters}):
+        nonlocal left
+        left -= 1
+        if left:
+            return function(instance, {arguments})
+        return sampled({arguments})
+    def read():
+        return left
+    def write(value):
+        nonlocal left
+        left = value
+    return call, read, write
+"""
+
+
+def _call_shape(method: Callable[..., Any]) -> tuple[str, str]:
+    """(parameters, arguments) of ``method``'s signature, as source text."""
+    parameters, arguments = [], []
+    for parameter in inspect.signature(method).parameters.values():
+        if parameter.kind is parameter.VAR_POSITIONAL:
+            text = f"*{parameter.name}"
+            parameters.append(text)
+            arguments.append(text)
+        elif parameter.kind is parameter.VAR_KEYWORD:
+            text = f"**{parameter.name}"
+            parameters.append(text)
+            arguments.append(text)
+        elif parameter.kind is parameter.KEYWORD_ONLY:
+            raise TypeError(f"cannot count down {method!r}: keyword-only parameter {parameter.name!r}")
+        else:
+            parameters.append(parameter.name)
+            arguments.append(parameter.name)
+    return ", ".join(parameters), ", ".join(arguments)
+
+
+class OperationSampler:
+    """Which calls of one composite operation are timed, and how many calls each timed one stands for."""
+
+    def __init__(self, index: int, every: int, pending: list[Any], fold: Callable[[], None]) -> None:
+        self.index = index
+        self.every = every
+        # (slot, cell, seconds) of each child its last timed call timed (known once folded): where the calls
+        # after it are credited.
+        self.last_call: list[tuple[int, int, float]] = []
+        self.timed_calls = 0  # since the recorder last looked (see PipelineRecorder.flush)
+        self._pending = pending
+        self._fold = fold
+        self._period = 1  # the countdown's value when it last started again
+        self._credited = 0  # calls of this period already credited (by an idle flush)
+        self._read: Callable[[], int] = lambda: 1
+        self._write: Callable[[int], None] = lambda value: None
+
+    def around(self, forward: Callable[..., Any], sampled: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` (a bound method), counted down: every ``every``-th call goes to ``sampled`` instead
+        (the first call too)."""
+        parameters, arguments = _call_shape(forward)
+        namespace: dict[str, Any] = {}
+        exec(_COUNTDOWN.format(parameters=parameters, arguments=arguments), namespace)  # noqa: S102
+        call, self._read, self._write = namespace["countdown"](forward.__func__, forward.__self__, sampled)
+        return call
+
+    def begin(self, counted: bool) -> None:
+        """A timed call starts: it stands for every call since the last one credited (itself included;
+        ``counted``: the countdown counted it, and has just run out). The countdown starts again."""
+        calls = self._period if counted else self._period - self._read() + 1
+        if len(self._pending) >= MAX_PENDING_CALLS:
+            self._fold()
+        self._pending.append((-1, calls - self._credited, self.index))  # the timed calls that follow weigh this
+        self._write(self.every)
+        self._period, self._credited = self.every, 0
+        self.timed_calls += 1
+
+    def uncredited(self) -> int:
+        """Calls since the last timed call that no flush credited yet."""
+        return self._period - self._read() - self._credited
+
+    def credited(self, calls: int) -> None:
+        self._credited += calls
+
+    def time_next(self) -> None:
+        """The next call is timed (everything before it has been credited)."""
+        self._write(1)
+        self._period, self._credited = 1, 0
 
 
 class PipelineRecorder:
@@ -60,115 +169,122 @@ class PipelineRecorder:
 
     def __init__(
         self, enabled: bool, bounds: Sequence[float], child_names: Sequence[str], per_layer: bool = False,
-        ship_dense: bool = False,
+        ship_dense: bool = False, sample_every: int = 1,
     ) -> None:
         self.enabled = enabled
         self.per_layer = per_layer
+        self.sample_every = sample_every
         self._ship_dense = ship_dense
         self._children = tuple(child_names)
         self._bounds = tuple(bounds)
         self._lock = threading.Lock()
         self._bucketed: Cells = {}  # calls folded since the last take
-        # Filled on the hot path, in place (wrappers hold a reference to it): (child * len(OPS) + op, seconds).
-        self._pending: list[tuple[int, float]] = []
+        # Not yet folded, filled in place (timed calls hold a reference): a timed call's (slot, seconds),
+        # slot = child * len(OPS) + op, after the (-1, weight, sampler) its sampled call began with.
+        self._pending: list[tuple[Any, ...]] = []
+        self._samplers: dict[str, OperationSampler] = {}
+        self._resampled_at = 0.0  # monotonic time flush last looked for operations not timed lately
         self._counts = [[0] * len(COUNTERS) for _ in self._children]
         self._errors: ErrorCounts = {}
         self._load_errors: LoadErrors = {}
-        # Request id -> each child's answer (tokens; None: not asked or failed) in its last lookup round.
-        self._lookups: dict[str, list[int | None]] = {}
+        self._counted = False  # counters, errors or credited calls since the last take (read without the lock)
 
-    def wrap(self, child_name: str, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        """``call``, timed and counted; unwrapped when metrics are off, for operations
-        without a label and, unless ``per_layer``, the per-layer ones."""
-        op = self._label(operation)
-        if not self.enabled or op is None:
+    # ---- timing ----
+
+    def label(self, operation: Operation) -> str | None:
+        """The ``op`` label of a timed operation; None if it is not timed."""
+        if not self.enabled or (operation.granularity is Granularity.LAYER and not self.per_layer):
+            return None
+        return operation.label
+
+    def sampler(self, operation: Operation) -> OperationSampler | None:
+        """The sampler of a timed operation (one per composite operation); None if it is not timed."""
+        if self.label(operation) is None:
+            return None
+        if (sampler := self._samplers.get(operation.name)) is None:
+            sampler = self._samplers[operation.name] = OperationSampler(
+                len(self._samplers), self.sample_every, self._pending, self._fold)
+        return sampler
+
+    def timed(self, child_name: str, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call``, timed; ``call`` itself if the operation is not timed."""
+        op = self.label(operation)
+        if op is None:
             return call
-        row = self._children.index(child_name)
-        slot = row * len(OPS) + OPS.index(op)
-        pending = self._pending
-        lookups = self._lookups if operation == LOOKUP else None
+        slot = self._children.index(child_name) * len(OPS) + OPS.index(op)
+        append = self._pending.append
+        # Two bodies, alike on purpose: packing an empty **kwargs costs a tenth of a timed call.
+        if operation.keywords:
 
-        def failed(start: float, error: Exception) -> None:
-            pending.append((slot, perf_counter() - start))
-            self._count_error(child_name, op, type(error).__name__)
-
-        # Positional arguments only where the operation takes no keywords: packing an empty
-        # ``**kwargs`` costs about a quarter of a timed call. The two bodies are the same on purpose:
-        # a helper shared by both would cost the frame this saves.
-        if OPERATIONS[operation].keywords:
-
-            def observed(*args: Any, **kwargs: Any) -> Any:
+            def timed(*args: Any, **kwargs: Any) -> Any:
                 start = perf_counter()
                 try:
-                    result = call(*args, **kwargs)
-                except Exception as error:
-                    failed(start, error)
-                    raise
-                pending.append((slot, perf_counter() - start))
-                if len(pending) >= MAX_PENDING_CALLS:
-                    self._fold()
-                return result
+                    return call(*args, **kwargs)
+                finally:
+                    append((slot, perf_counter() - start))
 
         else:
 
-            def observed(*args: Any) -> Any:
+            def timed(*args: Any) -> Any:
                 start = perf_counter()
                 try:
-                    result = call(*args)
-                except Exception as error:
-                    failed(start, error)
-                    raise
-                pending.append((slot, perf_counter() - start))
-                if len(pending) >= MAX_PENDING_CALLS:
-                    self._fold()
-                if lookups is not None and (answers := lookups.get(args[0].request_id)) is not None:
-                    answers[row] = result[0]
-                return result
+                    return call(*args)
+                finally:
+                    append((slot, perf_counter() - start))
 
-        observed.__wrapped__ = call  # type: ignore[attr-defined]
-        return observed
+        timed.__wrapped__ = call  # type: ignore[attr-defined]
+        return timed
 
-    def _label(self, operation: str) -> str | None:
-        """The ``op`` label of a timed operation; None if it is not timed."""
-        declared = OPERATIONS[operation]
-        if declared.granularity is Granularity.LAYER and not self.per_layer:
-            return None
-        return declared.label
-
-    # ---- what the calls meant, told by the composite ----
-
-    def lookup_started(self, request_id: str) -> None:
-        """The composite is asking its loaders about a request: this round's answers replace the last one's."""
-        if self.enabled:
-            self._lookups[request_id] = [None] * len(self._children)
-
-    def request_admitted(self, request: Request, loading: int | None, external_tokens: int) -> None:
-        """vLLM allocated the request's blocks: count its last lookup round, and the tokens
-        the child at index ``loading`` (None: no child) loads."""
+    def flush(self) -> None:
+        """The engine goes idle: every operation's calls since its last timed call go to that call's bucket.
+        An operation not timed since flush last looked, :data:`RESAMPLE_AFTER_S` or more ago, has its next
+        call timed."""
         if not self.enabled:
             return
-        answers = self._lookups.pop(request.request_id, None)
+        now = monotonic()
+        resample = now - self._resampled_at >= RESAMPLE_AFTER_S
         with self._lock:
-            if answers is not None and not getattr(request, "num_preemptions", 0):
-                for counts, tokens in zip(self._counts, answers, strict=True):
-                    if tokens is None:
+            self._fold_pending()
+            for sampler in self._samplers.values():
+                if calls := sampler.uncredited():
+                    for _, cell, seconds in sampler.last_call:
+                        counts = self._bucketed.setdefault(cell, [0, 0.0])
+                        counts[0] += calls
+                        counts[1] += calls * seconds
+                        self._counted = True
+                    sampler.credited(calls)
+                if resample:
+                    if not sampler.timed_calls:
+                        sampler.time_next()
+                    sampler.timed_calls = 0
+        if resample:
+            self._resampled_at = now
+
+    # ---- what the calls meant, told by the instrumentation ----
+
+    def request_admitted(
+        self, request: Request, answers: Sequence[tuple[int, bool]], loaders: Sequence[int], loading: int | None,
+        external_tokens: int,
+    ) -> None:
+        """vLLM allocated the request's blocks: count its last lookup round (``answers``, one per loader, whose
+        child indices ``loaders`` lists), and the tokens the child at index ``loading`` (None: no child) loads."""
+        if not self.enabled:
+            return
+        counted = not getattr(request, "num_preemptions", 0)
+        with self._lock:
+            if counted:
+                for child, answer in zip(loaders, answers, strict=False):
+                    if answer is FAILED_LOOKUP:
                         continue
-                    if tokens > 0:
+                    counts = self._counts[child]
+                    if answer[0] > 0:
                         counts[_HITS] += 1
-                        counts[_MATCHED] += tokens
+                        counts[_MATCHED] += answer[0]
                     else:
                         counts[_MISSES] += 1
             if loading is not None:
                 self._counts[loading][_LOADED] += external_tokens
-
-    def request_finished(self, request_id: str) -> None:
-        """A request that was looked up but never admitted leaves nothing behind."""
-        self._lookups.pop(request_id, None)
-
-    @property
-    def open_lookups(self) -> int:
-        """Requests looked up and not yet admitted or finished."""
-        return len(self._lookups)
+            self._counted = True
 
     def count_load_errors(self, child_name: str, step: int, block_ids: Collection[int]) -> None:
         """Blocks the child failed to load in scheduler step ``step`` (reported by it, or
@@ -176,20 +292,25 @@ class PipelineRecorder:
         if self.enabled and block_ids:
             with self._lock:
                 self._load_errors.setdefault(child_name, {}).setdefault(step, set()).update(block_ids)
+                self._counted = True
 
-    def count_isolated_error(self, child_name: str, operation: str, error: Exception) -> None:
-        """A failure error isolation caught in a call this recorder did not time (and so did not count)."""
-        if self.enabled and self._label(operation) is None:
-            self._count_error(child_name, OPERATIONS[operation].label or operation, type(error).__name__)
+    def count_error(self, child_name: str, operation: Operation, error: Exception) -> None:
+        """A child call raised ``error`` (told by the child's guard, whether the call was timed or not)."""
+        if self.enabled:
+            op, error_type = operation.label or operation.name, type(error).__name__
+            with self._lock:
+                by_type = self._errors.setdefault(child_name, {}).setdefault(op, {})
+                by_type[error_type] = by_type.get(error_type, 0) + 1
+                self._counted = True
 
     # ---- handing the stats over ----
 
     def take(self) -> CallTable | None:
         """The calls since the last take (None if there were none), then start afresh."""
+        if not (self._pending or self._counted or self._bucketed):
+            return None
         with self._lock:
-            if not (self._pending or self._bucketed or self._errors or self._load_errors
-                    or any(map(any, self._counts))):
-                return None
+            self._counted = False
             self._fold_pending()
             counters = [count for child_counts in self._counts for count in child_counts]
             table = CallTable(self._children, len(self._bounds) + 1, self._bucketed, counters, self._errors,
@@ -201,31 +322,40 @@ class PipelineRecorder:
             table.densify()
         return table
 
-    def _count_error(self, child_name: str, op: str, error_type: str) -> None:
-        with self._lock:
-            by_type = self._errors.setdefault(child_name, {}).setdefault(op, {})
-            by_type[error_type] = by_type.get(error_type, 0) + 1
-
     def _fold(self) -> None:
         with self._lock:
             self._fold_pending()
 
     def _fold_pending(self) -> None:
-        """Sort the pending latencies into their cells, for the next take (holding the lock).
-        Calls appended meanwhile by other threads land after the ones taken, and stay."""
-        calls = self._pending[:]
-        del self._pending[: len(calls)]
-        bucket_latencies(calls, self._bounds, into=self._bucketed)
+        """Sort the timed calls into their cells, for the next take (holding the lock). Calls appended
+        meanwhile by other threads land after the ones taken, and stay."""
+        entries = self._pending[:]
+        del self._pending[: len(entries)]
+        fold_timed_calls(entries, self._bounds, self._bucketed, list(self._samplers.values()))
 
 
-def bucket_latencies(calls: Iterable[tuple[int, float]], bounds: Sequence[float], into: Cells) -> None:
-    """Count each call's latency, and add it up, in the cell of its slot and bucket: bucket ``i``
-    holds ``bounds[i-1] < v <= bounds[i]`` (Prometheus' ``le``), the last one the rest."""
+def fold_timed_calls(
+    entries: Iterable[tuple[Any, ...]], bounds: Sequence[float], into: Cells,
+    samplers: Sequence[OperationSampler] = (),
+) -> None:
+    """Add each timed call (slot, seconds) to the cell of its slot and bucket, as many times as the weight of
+    the sampled call it belongs to: the latest (-1, weight, sampler index) before it (weight 1 before any).
+    Bucket ``i`` holds ``bounds[i-1] < v <= bounds[i]`` (Prometheus' ``le``), the last one the rest. Each
+    sampled call's timed calls become its sampler's ``last_call``."""
     buckets = len(bounds) + 1
-    for slot, latency in calls:
+    weight, last_call = 1, None
+    for entry in entries:
+        slot = entry[0]
+        if slot < 0:  # a sampled call begins
+            weight = entry[1]
+            last_call = samplers[entry[2]].last_call = [] if samplers else None
+            continue
+        latency = entry[1]
         cell = slot * buckets + bisect_left(bounds, latency)
-        if (entry := into.get(cell)) is None:
-            into[cell] = [1, latency]
+        if (counts := into.get(cell)) is None:
+            into[cell] = [weight, weight * latency]
         else:
-            entry[0] += 1
-            entry[1] += latency
+            counts[0] += weight
+            counts[1] += weight * latency
+        if last_call is not None:
+            last_call.append((slot, cell, latency))

@@ -23,7 +23,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from kvcompose.metrics.histograms import replay_cell
+from kvcompose.metrics.histograms import CellAdder, cell_adder
 from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferTable
 
 
@@ -32,6 +32,7 @@ class _Lane:
     """The series of one engine, child and direction."""
 
     duration: Any
+    add_duration: CellAdder
     moved_bytes: Any
     in_flight: Any
     failures: tuple[Any, ...]  # by outcome, in FAILURES' order
@@ -79,8 +80,10 @@ class TransferSeries:
             for child in children:
                 for direction in DIRECTIONS:
                     labels = (*engine_labels, child, direction)
-                    lane = _Lane(duration.labels(*labels), moved_bytes.labels(*labels), in_flight.labels(*labels),
-                                 tuple(failed.labels(*labels, outcome) for outcome in FAILURES))
+                    series = duration.labels(*labels)
+                    failures = tuple(failed.labels(*labels, outcome) for outcome in FAILURES)
+                    lane = _Lane(series, cell_adder(series, self._bounds), moved_bytes.labels(*labels),
+                                 in_flight.labels(*labels), failures)
                     lane.in_flight.set(0)
                     lanes.append(lane)
         some_lane = next(iter(self._lanes.values()))[0]
@@ -96,8 +99,7 @@ class TransferSeries:
         for cell, (count, seconds) in table.cells.items():
             lane, bucket = divmod(cell, table.buckets)
             exemplar = table.exemplars.get(cell) if self._exemplars else None
-            replay_cell(lanes[lane].duration, self._bounds, bucket, count, seconds,
-                        None if exemplar is None else (exemplar[1], exemplar[2]))
+            lanes[lane].add_duration(bucket, count, seconds, None if exemplar is None else (exemplar[1], exemplar[2]))
         for lane, moved, change in zip(lanes, table.moved_bytes, table.in_flight, strict=True):
             if moved:
                 lane.moved_bytes.inc(moved)

@@ -176,6 +176,7 @@ class TransferRecorder:
         self._buckets = len(self._bounds) + 1
         self._lock = threading.Lock()
         self._table = self._empty()
+        self._changed = False  # since the last take: the table is empty otherwise (checked without the lock)
 
     def _empty(self) -> TransferTable:
         return TransferTable(self._children, self._buckets)
@@ -187,6 +188,7 @@ class TransferRecorder:
         lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
         with self._lock:
             self._table.in_flight[lane] += 1
+            self._changed = True
 
     def ended(
         self, child: int, direction: Direction, seconds: float, nbytes: int, outcome: Outcome, trace_id: str | None,
@@ -212,11 +214,12 @@ class TransferRecorder:
                 table.failures[failure] += 1
             if exemplar is not None:
                 table.exemplars[cell] = exemplar
+            self._changed = True
 
     def take(self) -> TransferTable | None:
         """The transfers since the last take, then start afresh; None if none ended and none started."""
+        if not self._changed:
+            return None
         with self._lock:
-            if self._table.is_empty():
-                return None
-            table, self._table = self._table, self._empty()
-        return table
+            table, self._table, self._changed = self._table, self._empty(), False
+        return None if table.is_empty() else table  # transfers that started and ended cancel out in flight

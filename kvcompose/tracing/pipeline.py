@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcompose.config import Pipeline
 from kvcompose.logs import CURRENT_CALL
-from kvcompose.operations import OPERATIONS, Describe, Granularity
+from kvcompose.operations import Describe, Granularity, Operation
 from kvcompose.tracing import attributes as attr
 from kvcompose.tracing.records import IDS, SpanRecord, parse_traceparent
 from kvcompose.tracing.sampling import Sampling, sampling_for
@@ -108,25 +108,26 @@ class PipelineTracer:
         self._step_span: SpanContextIds | None = None
         self._step_start = 0
 
-    # ---- wrapping child calls (once, at start-up) ----
+    # ---- child calls, as their traced variant makes them (kvcompose.connectors.calls) ----
 
-    def wrap(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        """``call`` traced, as its operation's declaration says (kvcompose.operations). A failure, or a
-        call the circuit breaker skipped, reaches the span as the exception it raises."""
-        declared = OPERATIONS[operation]
-        if not declared.traced:
+    def traced(self, spec: ChildSpec, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call`` traced, as its operation's declaration says (kvcompose.operations), for the calls the
+        instrumentation routes here: those about a sampled request, and those of a step that moves a sampled
+        request's KV. A failure, or a call the circuit breaker skipped, reaches the span as the exception it
+        raises."""
+        if not operation.traced:
             return call
         base = self._child_attributes(spec)
-        template = self._shipper.templates.register(declared.span_name, base, declared.attributes)
-        if declared.granularity is Granularity.REQUEST:
-            return self._request_call(spec, operation, template, declared.describe, call)
+        template = self._shipper.templates.register(operation.span_name, base, operation.attributes)
+        if operation.granularity is Granularity.REQUEST:
+            return self._request_call(spec, operation.name, template, operation.describe, call)
         traced = call
-        if self._step_spans and (declared.granularity is Granularity.STEP or self._layer_spans):
-            traced = self._step_call(template, declared.describe, call)
-        if operation == "start_load_kv":
+        if self._step_spans and (operation.granularity is Granularity.STEP or self._layer_spans):
+            traced = self._step_call(template, operation.describe, call)
+        if operation.name == "start_load_kv":
             load = self._shipper.templates.register("kvcompose.load", base)
             return self._per_request_call(load, self._loaded_by(spec.index), traced)
-        if operation == "wait_for_save":
+        if operation.name == "wait_for_save":
             save = self._shipper.templates.register("kvcompose.save", base)
             return self._per_request_call(save, self._new_requests, traced)
         return traced
@@ -142,15 +143,13 @@ class PipelineTracer:
         no keyword arguments)."""
         note_loader = operation == "update_state_after_alloc"
         name = spec.name
-        requests, loaders, start_request_span = self._requests, self._loaders, self._start_request_span
+        requests, loaders = self._requests, self._loaders
         run_span = self._span_runner(template, name, describe, call)
 
         def traced(*args: Any) -> Any:
             request = args[0]
-            entry = requests.get(request.request_id, _UNSEEN)
-            if entry is _UNSEEN:
-                entry = start_request_span(request)
-            if entry is None:
+            entry = requests.get(request.request_id)
+            if entry is None:  # not sampled after all: vLLM asked about a request it already finished
                 return call(*args)
             result = run_span(entry.trace_id, entry.span_id, request.request_id, args, None)
             if note_loader and args[2] > 0:
@@ -236,8 +235,15 @@ class PipelineTracer:
 
     # ---- scheduler side ----
 
+    def request_traced(self, request: Request) -> bool:
+        """Whether the request is sampled; its span starts the first time a child is asked about it."""
+        entry = self._requests.get(request.request_id, _UNSEEN)
+        if entry is _UNSEEN:
+            entry = self._start_request_span(request)
+        return entry is not None
+
     def _start_request_span(self, request: Request) -> _RequestSpan | None:
-        """The request's span (None when not sampled), started the first time a child is asked about it."""
+        """The request's span (None when not sampled)."""
         req_id = request.request_id
         headers = request.trace_headers
         parent = parse_traceparent(headers.get("traceparent")) if headers else None
@@ -285,10 +291,10 @@ class PipelineTracer:
 
     # ---- worker side ----
 
-    def begin_step(self, requests: tuple[TracedRequest, ...] | None, loads: Mapping[str, LoadPlan] | None) -> None:
-        """Bind the step's sampled requests and its loads (from the step's metadata)."""
+    def begin_step(self, requests: tuple[TracedRequest, ...] | None, loads: Mapping[str, LoadPlan] | None) -> bool:
+        """Bind the step's sampled requests and its loads (from the step's metadata); True if it has any."""
         if not requests:
-            return
+            return False
         self._step_loaders = {req_id: plan.child for req_id, plan in (loads or {}).items()}
         self._step_contexts.update((request.request_id, SpanContextIds(request.trace_id, request.span_id))
                                    for request in requests)
@@ -296,6 +302,7 @@ class PipelineTracer:
         if self._step_spans:
             self._step_span = SpanContextIds(IDS.trace_id(), IDS.span_id())
             self._step_start = time_ns()
+        return True
 
     def end_step(self) -> None:
         if (step := self._step_span) is not None:
@@ -363,12 +370,9 @@ class PipelineTracer:
 
 
 class NoTracing:
-    """What the composite holds when tracing is off: nothing is wrapped or created."""
+    """What the instrumentation holds when tracing is off: nothing is traced or created."""
 
     open_requests = 0
-
-    def wrap(self, spec: ChildSpec, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
-        return call
 
     def request_finished(self, request: Request, saves_async: bool = False) -> None:
         pass
@@ -378,8 +382,8 @@ class NoTracing:
     ) -> None:
         return None
 
-    def begin_step(self, requests: tuple[TracedRequest, ...] | None, loads: Mapping[str, LoadPlan] | None) -> None:
-        pass
+    def begin_step(self, requests: tuple[TracedRequest, ...] | None, loads: Mapping[str, LoadPlan] | None) -> bool:
+        return False
 
     def end_step(self) -> None:
         pass

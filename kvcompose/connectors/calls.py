@@ -1,0 +1,173 @@
+"""The calls the composite makes into its children: per operation, a tuple of callables in pipeline order.
+
+The composite's loops iterate ``calls.current.<operation>`` and nothing else,
+so forwarding costs what MultiConnector's loops cost. Each tuple holds one
+call per child that takes part in the operation (``Operation.children``:
+every child, the loaders or the savers; per-layer operations leave out a
+child whose circuit is not closed, and no child saves a layer while
+:attr:`ChildCalls.layer_saves` is off).
+
+Each child's call is made here, at start-up and again whenever its breaker
+changes how it must be made (:meth:`ChildCalls.rebuild`), in up to three
+variants (:class:`Variant`). Innermost to outermost: the timer (timed and
+traced variants), the breaker's gate, the span (traced variant), the tap (what
+observers read from every call's result), and isolation for the isolated
+operations off the data path (see :mod:`kvcompose.connectors.isolation`). With
+nothing to add, a call is the child's own bound method.
+
+The composite calls the plain variant (``current``), unless the
+instrumentation (:mod:`kvcompose.connectors.instrumentation`) puts another in
+its place for one call: one sampled for timing, or about a traced request or
+step. A call that raised is traced back to its child by :meth:`ChildCalls.owner`,
+on the failure path only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvcompose.operations import CHILD_OPERATIONS, OPERATIONS, Granularity, Operation
+
+if TYPE_CHECKING:
+    from kvcompose.connectors.children import Child
+
+# (child, operation, call) -> the call wrapped, or ``call`` itself where the wrapper has nothing to add.
+CallWrapper = Callable[["Child", Operation, Callable[..., Any]], Callable[..., Any]]
+
+
+class Variant(enum.Enum):
+    PLAIN = "plain"
+    TIMED = "timed"  # its latency recorded
+    TRACED = "traced"  # in a span (and timed, with metrics on)
+
+
+@dataclass(frozen=True)
+class CallWrappers:
+    """What the instrumentation adds to child calls; None: nothing."""
+
+    timed: CallWrapper | None = None
+    traced: CallWrapper | None = None
+    tapped: CallWrapper | None = None  # every variant
+
+
+class Fanout:
+    """One tuple of calls per forwarded operation."""
+
+    __slots__ = CHILD_OPERATIONS
+
+    def __init__(self) -> None:
+        for operation in CHILD_OPERATIONS:
+            setattr(self, operation, ())
+
+
+class ChildCalls:
+    def __init__(self, children: Sequence[Child], wrappers: CallWrappers | None = None) -> None:
+        self.children = tuple(children)
+        self._wrappers = wrappers or CallWrappers()
+        self.current = Fanout()  # what the composite calls now
+        variants = [Variant.PLAIN]
+        if self._wrappers.timed is not None:
+            variants.append(Variant.TIMED)
+        if self._wrappers.traced is not None:
+            variants.append(Variant.TRACED)
+        self._variants = {variant: Fanout() for variant in variants}
+        self._owners: dict[str, dict[Callable[..., Any], Child]] = {}  # operation -> its calls' children
+        # ... as they were before the last rebuild: a call can change its own breaker's state, and with it how
+        # its child's calls are made, before it raises (a half-open circuit's probe).
+        self._retired: dict[str, dict[Callable[..., Any], Child]] = {}
+        self._made: dict[tuple[int, str, Variant], Callable[..., Any]] = {}  # (child, operation, variant) -> call
+        # The composite stops layer saves for the rest of a step whose load failed.
+        self._layer_saves = True
+        # Called after the loaders' waits of every layer, while set (the transfer tracker marks sync loads' end).
+        self._layer_load_marker: Callable[[str], None] | None = None
+        self.rebuild()
+
+    # ---- what the composite reads ----
+
+    def owner(self, operation: Operation, call: Callable[..., Any]) -> Child:
+        """The child whose call of ``operation`` this is."""
+        child = self._owners[operation.name].get(call)
+        return child if child is not None else self._retired[operation.name][call]
+
+    @property
+    def layer_saves(self) -> bool:
+        return self._layer_saves
+
+    @layer_saves.setter
+    def layer_saves(self, on: bool) -> None:
+        if on != self._layer_saves:
+            self._layer_saves = on
+            self._rebuild_operation(OPERATIONS["save_kv_layer"])
+
+    def set_layer_load_marker(self, marker: Callable[[str], None] | None) -> None:
+        """Call ``marker`` (None: nothing) after the loaders' waits of every layer, from now on."""
+        previous, self._layer_load_marker = self._layer_load_marker, marker
+        if marker is previous:
+            return
+        for fanout in self._variants.values():  # once or twice a step: no rebuild
+            calls = fanout.wait_for_layer_load[:-1] if previous is not None else fanout.wait_for_layer_load
+            fanout.wait_for_layer_load = calls + (marker,) if marker is not None else calls
+        self.current.wait_for_layer_load = self._variants[Variant.PLAIN].wait_for_layer_load
+
+    def fanout(self, variant: Variant) -> Fanout:
+        """The calls of ``variant`` (the plain ones where that variant is not made); rebuilt in place."""
+        return self._variants.get(variant, self._variants[Variant.PLAIN])
+
+    # ---- making the calls ----
+
+    def rebuild(self, child: Child | None = None) -> None:
+        """Make ``child``'s calls (every child's: None) again, as its guard has them made now."""
+        if child is None:
+            self._made.clear()
+        else:
+            self._made = {key: call for key, call in self._made.items() if key[0] != child.index}
+        for operation in CHILD_OPERATIONS:
+            self._rebuild_operation(OPERATIONS[operation])
+
+    def _rebuild_operation(self, operation: Operation) -> None:
+        name = operation.name
+        taking_part = [child for child in self.children if self._takes_part(child, operation)]
+        self._retired[name] = self._owners.get(name, {})
+        owners = self._owners[name] = {}
+        for variant, fanout in self._variants.items():
+            calls = []
+            for child in taking_part:
+                if (call := self._call(child, operation, variant)) is None:
+                    continue  # a child class from before vLLM added the operation: never called
+                owners[call] = child
+                calls.append(call)
+            if name == "wait_for_layer_load" and self._layer_load_marker is not None:
+                calls.append(self._layer_load_marker)
+            setattr(fanout, name, tuple(calls))
+        setattr(self.current, name, getattr(self._variants[Variant.PLAIN], name))
+
+    def _takes_part(self, child: Child, operation: Operation) -> bool:
+        if (operation.children == "loaders" and not child.load) or (operation.children == "savers" and not child.save):
+            return False
+        if operation.granularity is Granularity.LAYER:  # a probe is never a per-layer call
+            return child.guard.closed and (operation.name != "save_kv_layer" or self._layer_saves)
+        return True
+
+    def _call(self, child: Child, operation: Operation, variant: Variant) -> Callable[..., Any] | None:
+        key = (child.index, operation.name, variant)
+        if (call := self._made.get(key)) is None:
+            method = getattr(child.connector, operation.name, None)
+            if method is not None:
+                call = self._made[key] = self._make(child, operation, variant, method)
+        return call
+
+    def _make(
+        self, child: Child, operation: Operation, variant: Variant, method: Callable[..., Any],
+    ) -> Callable[..., Any]:
+        wrappers, call = self._wrappers, method
+        if variant is not Variant.PLAIN and wrappers.timed is not None:
+            call = wrappers.timed(child, operation, call)
+        call = child.guard.gate(operation, call)
+        if variant is Variant.TRACED and wrappers.traced is not None:
+            call = wrappers.traced(child, operation, call)
+        if wrappers.tapped is not None:
+            call = wrappers.tapped(child, operation, call)
+        return child.guard.isolating(operation, call)

@@ -1,0 +1,474 @@
+"""Metrics, tracing and transfer tracking around a composite, apart from its forwarding logic.
+
+When a pipeline turns metrics or tracing on, :class:`Instrumentation` wraps the
+composite's methods on the instance (vLLM calls ``connector.<method>(...)``, and
+an instance attribute stands before the class's method) and adds to the
+children's calls (:mod:`kvcompose.connectors.calls`) what it reads from them.
+With both off there is no instrumentation, and the composite forwards at
+MultiConnector's cost.
+
+What the wrappers do:
+
+- A timed operation (``Operation.label``) is counted down
+  (:class:`~kvcompose.metrics.recorder.OperationSampler`): one call in
+  ``metrics.sample_every`` runs the operation's *timed* calls.
+- A call about a sampled request (scheduler side), and every traced call of a
+  step that moves a sampled request's KV (worker side), runs the *traced*
+  calls, which are timed as well.
+- Scheduler side: an admitted request's lookup round is counted; a finished
+  request's span ends; each step's metadata carries the sampled requests and
+  the new requests' saves to the workers, and asks them to flush their stats
+  when the step runs no forward pass. Its own stats are flushed then too, and
+  whenever no admitted request is left.
+- Worker side: around each step, the transfer tracker opens and ends transfers
+  (:mod:`kvcompose.connectors.transfers`); the step's calls are chosen when it
+  is bound (traced, or counted down) and set back when it is cleared.
+
+Taps on the children's calls read what only each child's result says:
+transfer results and finished jobs for the tracker, blocks that failed to load
+for the metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from kvcompose.config import Pipeline
+from kvcompose.connectors.calls import CallWrappers, ChildCalls, Variant
+from kvcompose.connectors.transfers import (
+    TransferTracker,
+    bytes_per_block,
+    completion_mode,
+    is_first_worker,
+    job_requests,
+)
+from kvcompose.logs import get_logger
+from kvcompose.metrics.recorder import DENSE_FROM_WORKERS, OperationSampler, PipelineRecorder
+from kvcompose.metrics.stats import CALLS_KEY, TELEMETRY_KEY, TRANSFERS_KEY
+from kvcompose.metrics.telemetry import TelemetryCounters
+from kvcompose.metrics.transfers import TransferRecorder
+from kvcompose.operations import OPERATIONS, Granularity, Operation, Side
+from kvcompose.tracing import pipeline_tracer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvcompose.connectors.children import Child, ChildSpec
+    from kvcompose.connectors.composite import KVComposeConnector
+    from kvcompose.connectors.ledger import SchedulerLedger
+    from kvcompose.connectors.metadata import KVComposeMetadata
+
+logger = get_logger("instrumentation")
+
+_TRANSFER_RESULTS, _WORKER_META = OPERATIONS["get_transfer_results"], OPERATIONS["build_connector_worker_meta"]
+_LOAD_ERRORS = OPERATIONS["get_block_ids_with_load_errors"]
+
+
+class Instrumentation:
+    """The metrics, spans and transfers of one composite; see the module docstring."""
+
+    @classmethod
+    def of(
+        cls, pipeline: Pipeline, role: KVConnectorRole, specs: list[ChildSpec], vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+    ) -> Instrumentation | None:
+        """The pipeline's instrumentation; None when it turns metrics and tracing off."""
+        if not (pipeline.metrics.enabled or pipeline.tracing.enabled):
+            return None
+        return cls(pipeline, role, specs, vllm_config, kv_cache_config)
+
+    def __init__(
+        self, pipeline: Pipeline, role: KVConnectorRole, specs: list[ChildSpec], vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+    ) -> None:
+        metrics, tracing = pipeline.metrics, pipeline.tracing
+        names = [spec.name for spec in specs]
+        self._side = Side.WORKER if role is KVConnectorRole.WORKER else Side.SCHEDULER
+        worker = self._side is Side.WORKER
+        self.recorder = PipelineRecorder(
+            metrics.enabled, metrics.latency_buckets, names, per_layer=metrics.per_layer,
+            ship_dense=worker and vllm_config.parallel_config.world_size >= DENSE_FROM_WORKERS,
+            sample_every=metrics.sample_every,
+        )
+        self.tracer = pipeline_tracer(pipeline, role.name.lower())
+        self._tracing = tracing.enabled
+        self._layer_spans = tracing.granularity == "layer"
+        self._transfer_recorder = TransferRecorder(metrics.enabled, names, metrics.transfer_buckets)
+        self._specs = specs
+        # With tensor parallelism the first worker tracks transfers (bytes count every worker's shard).
+        self._tracks_transfers = worker and is_first_worker()
+        self._block_bytes = bytes_per_block(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size)
+        self._transfers: TransferTracker | None = None  # made when attached (it reads the children's guards)
+        self._reports_span_telemetry = metrics.enabled and tracing.enabled
+        self._reported_queued = 0
+        # Scheduler side: children whose transfers are jobs in their metadata (their requests join the step's trace).
+        self._job_children = [spec.index for spec in specs
+                              if tracing.enabled and completion_mode(spec.connector_cls) == "jobs"]
+        self._admitted: set[str] = set()  # scheduler side: admitted requests not finished yet
+        self._step = 0  # worker side: the bound step's number (load errors are counted by it)
+        self._flush_at_take = False  # the next stats are flushed (a step without a forward pass)
+        self._composite: KVComposeConnector | None = None
+        self._calls: ChildCalls | None = None
+        self._ledger: SchedulerLedger | None = None
+        self._forwards: dict[str, Callable[..., Any]] = {}  # method -> the composite's own, bound
+        self._untraced_step: dict[str, Callable[..., Any]] = {}  # worker: method -> what a step calls
+        self._traced_step: dict[str, Callable[..., Any]] = {}  # ... a step that moves a sampled request's KV
+        self._traced_differs: list[str] = []  # worker: methods whose traced step's call differs
+        self._step_installed: list[str] = []  # worker: methods the bound step calls differently
+
+    # ---- the children's calls ----
+
+    def call_wrappers(self) -> CallWrappers:
+        """What the children's calls get: the recorder's timer and the tracer's span, in the timed and
+        traced variants; the taps, in every variant."""
+        timed = traced = None
+        if self.recorder.enabled:
+            recorder = self.recorder
+
+            def timed(child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
+                return recorder.timed(child.name, operation, call)
+
+        if self._tracing:
+            tracer = self.tracer
+
+            def traced(child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
+                return tracer.traced(child.spec, operation, call)  # type: ignore[union-attr]
+
+        return CallWrappers(timed=timed, traced=traced, tapped=self._tap)
+
+    def _tap(self, child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call``, with what the tracker or the metrics read from its result (or its failure)."""
+        index, name = child.index, child.name
+        if operation is _TRANSFER_RESULTS and self._tracks_transfers:
+
+            def transfer_results(finished_req_ids: set[str]) -> Any:
+                tracker = self._tracker()
+                try:
+                    results = call(finished_req_ids)
+                except Exception:
+                    tracker.results(index, None, finished_req_ids)  # it gives up what it owes
+                    raise
+                if results.finished_sending or results.finished_recving or (finished_req_ids and tracker.open):
+                    tracker.results(index, results, finished_req_ids)
+                return results
+
+            return transfer_results
+        if operation is _WORKER_META and self._tracks_transfers and completion_mode(child.spec.connector_cls) == "jobs":
+
+            def worker_meta() -> Any:
+                metadata = call()
+                self._tracker().worker_meta(index, metadata)
+                return metadata
+
+            return worker_meta
+        if operation is _LOAD_ERRORS and self.recorder.enabled:
+
+            def load_errors() -> Any:
+                blocks = call()
+                if blocks:
+                    self.recorder.count_load_errors(name, self._step, blocks)
+                return blocks
+
+            return load_errors
+        return call
+
+    def _tracker(self) -> TransferTracker:
+        assert self._transfers is not None, "the tracker is made when the instrumentation is attached"
+        return self._transfers
+
+    def failed(self, child_name: str, operation: Operation, error: Exception) -> None:
+        """A child call raised (told by the child's guard)."""
+        self.recorder.count_error(child_name, operation, error)
+
+    def breaker_changed(self, child_name: str, state: str) -> None:
+        self.tracer.breaker_changed(child_name, state)
+
+    def loads_given_back(self, blocks_by_child: Mapping[int, set[int]]) -> None:
+        """The composite gave a failed child's loads back to vLLM: their blocks count as that child's load errors."""
+        for index, blocks in blocks_by_child.items():
+            self.recorder.count_load_errors(self._specs[index].name, self._step, blocks)
+
+    # ---- the composite's methods ----
+
+    def attach(self, composite: KVComposeConnector, calls: ChildCalls, ledger: SchedulerLedger) -> None:
+        """Wrap ``composite``'s methods (on the instance) for this side of the engine."""
+        self._composite, self._calls, self._ledger = composite, calls, ledger
+        if self._tracks_transfers:
+            self._transfers = TransferTracker(self._specs, [child.guard for child in calls.children],
+                                              self._block_bytes, self._transfer_recorder, self.tracer)
+        if self._side is Side.SCHEDULER:
+            self._attach_scheduler()
+        else:
+            self._attach_worker()
+
+    def _bound(self, name: str) -> Callable[..., Any]:
+        """The composite's own method (its class's, bound to it)."""
+        return getattr(type(self._composite), name).__get__(self._composite)
+
+    def _install(self, name: str, call: Callable[..., Any]) -> None:
+        """vLLM's calls of the composite's method ``name`` go to ``call`` from now on."""
+        if call is self._forwards.get(name):
+            vars(self._composite).pop(name, None)  # the class's own method
+        else:
+            setattr(self._composite, name, call)
+
+    def _run_as(self, operation: Operation, variant: Variant, counted: bool,
+                forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` calling ``variant`` of the operation's child calls instead of the plain ones; a timed
+        operation's sampler is told (``counted``: its countdown counted the call)."""
+        calls, recorder, name = self._calls, self.recorder, operation.name
+        assert calls is not None
+        current, chosen, plain = calls.current, calls.fanout(variant), calls.fanout(Variant.PLAIN)
+        sampler = recorder.sampler(operation)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if sampler is not None:
+                sampler.begin(counted)
+            setattr(current, name, getattr(chosen, name))
+            try:
+                return forward(*args, **kwargs)
+            finally:  # the plain calls as they are made now: a breaker may have changed them meanwhile
+                setattr(current, name, getattr(plain, name))
+
+        return run
+
+    def _counted_down(self, operation: Operation, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward``, one call in ``sample_every`` timed; ``forward`` itself if the operation is not timed."""
+        sampler: OperationSampler | None = self.recorder.sampler(operation)
+        if sampler is None:
+            return forward
+        return sampler.around(forward, self._run_as(operation, Variant.TIMED, True, forward))
+
+    # ---- scheduler side ----
+
+    def _attach_scheduler(self) -> None:
+        for name, operation in OPERATIONS.items():
+            if operation.side is Side.WORKER or not operation.forwarded or not hasattr(self._composite, name):
+                continue
+            forward = self._forwards[name] = self._bound(name)
+            call = self._counted_down(operation, forward)
+            if self._tracing and operation.traced and operation.granularity is Granularity.REQUEST:
+                call = self._traced_if_sampled(operation, forward, call)
+            if name == "update_state_after_alloc":
+                call = self._admitting(call)
+            elif name in ("request_finished", "request_finished_all_groups"):
+                call = self._finishing(call)
+            elif name == "build_connector_meta":
+                call = self._building_metadata(call)
+            self._install(name, call)
+
+    def _traced_if_sampled(self, operation: Operation, forward: Callable[..., Any],
+                           untraced: Callable[..., Any]) -> Callable[..., Any]:
+        """A call about a sampled request runs the traced calls; any other runs ``untraced``."""
+        traced = self._run_as(operation, Variant.TRACED, False, forward)
+        request_traced = self.tracer.request_traced  # type: ignore[union-attr]
+
+        def call(*args: Any) -> Any:
+            if request_traced(args[0]):
+                return traced(*args)
+            return untraced(*args)
+
+        return call
+
+    def _admitting(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """update_state_after_alloc: the request is admitted; its lookup round counts now."""
+        recorder, ledger, admitted = self.recorder, self._ledger, self._admitted
+        assert ledger is not None
+
+        def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> None:
+            call(request, blocks, num_external_tokens)
+            req_id = request.request_id
+            admitted.add(req_id)
+            if recorder.enabled and (looked_up := ledger.rounds.get(req_id)) is not None:
+                recorder.request_admitted(request, looked_up[0], ledger.loaders, ledger.planned_loader(req_id),
+                                          num_external_tokens)
+
+        return update_state_after_alloc
+
+    def _finishing(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """request_finished: the request's span ends, whatever the children answered. (Once no admitted
+        request is left, the next stats are flushed: see :meth:`take_tables`.)"""
+        tracer, admitted = self.tracer, self._admitted
+
+        def request_finished(request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+            saves_async = False
+            try:
+                result = call(request, block_ids)
+                saves_async = result[0]
+                return result
+            finally:
+                tracer.request_finished(request, saves_async=saves_async)
+                admitted.discard(request.request_id)
+
+        return request_finished
+
+    def _building_metadata(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """build_connector_meta: what the workers need to track transfers and join traces, and whether they
+        flush their stats."""
+        tracer, job_children = self.tracer, self._job_children
+
+        def build_connector_meta(scheduler_output: Any) -> KVComposeMetadata:
+            metadata = call(scheduler_output)
+            metadata.saves = {new.req_id: len(new.block_ids[0]) if new.block_ids else 0
+                              for new in scheduler_output.scheduled_new_reqs} or None
+            moving = job_requests(metadata.per_child[index] for index in job_children) if job_children else ()
+            metadata.traced_requests = tracer.step_requests(scheduler_output, metadata.loads, moving)
+            if not scheduler_output.total_num_scheduled_tokens:  # no forward pass: idle, or waiting
+                metadata.flush_stats = self._flush_at_take = True
+            return metadata
+
+        return build_connector_meta
+
+    # ---- worker side ----
+
+    def _attach_worker(self) -> None:
+        for name, operation in OPERATIONS.items():
+            if operation.side is Side.SCHEDULER or not operation.forwarded or not hasattr(self._composite, name):
+                continue
+            forward = self._forwards[name] = self._bound(name)
+            untraced = self._counted_down(operation, forward)
+            traced = self._run_as(operation, Variant.TRACED, False, forward) if self._traced_in_steps(operation) \
+                else untraced
+            self._untraced_step[name] = self._with_tracker(name, untraced)
+            self._traced_step[name] = self._with_tracker(name, traced)
+            self._install(name, self._untraced_step[name])
+            if traced is not untraced:
+                self._traced_differs.append(name)
+        self._install("bind_connector_metadata", self._binding(self._forwards["bind_connector_metadata"]))
+        self._install("clear_connector_metadata", self._clearing(self._forwards["clear_connector_metadata"]))
+
+    def _traced_in_steps(self, operation: Operation) -> bool:
+        """Does a traced step call this operation's traced calls? (Per-layer ones only at layer granularity.)"""
+        return self._tracing and operation.traced and (
+            operation.granularity is Granularity.STEP
+            or (operation.granularity is Granularity.LAYER and self._layer_spans))
+
+    def _with_tracker(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call`` with what the transfer tracker reads from the composite's answer, where it reads any."""
+        if self._transfers is None:
+            return call
+        if name == "get_transfer_results":
+            return self._giving_back(call)
+        if name == "get_block_ids_with_load_errors":
+            return self._noting_load_errors(call)
+        return call
+
+    def _binding(self, bind: Callable[..., Any]) -> Callable[..., Any]:
+        def bind_connector_metadata(metadata: KVComposeMetadata) -> None:
+            traced = self.tracer.begin_step(metadata.traced_requests, metadata.loads)
+            transfers = self._transfers
+            if transfers is not None:  # after the tracer: its transfers join their requests' traces
+                transfers.begin_step(metadata)
+            self._step, self._flush_at_take = metadata.step, metadata.flush_stats
+            bind(metadata)
+            if traced:  # the step moves a sampled request's KV: its traced operations run their traced calls
+                for name in self._traced_differs:
+                    self._install(name, self._traced_step[name])
+                self._step_installed.extend(self._traced_differs)
+            if transfers is not None:
+                if transfers.waits_for_loads:
+                    self._calls.set_layer_load_marker(transfers.layer_waited)  # type: ignore[union-attr]
+                if transfers.saves_open:
+                    wait = self._traced_step["wait_for_save"] if traced else self._untraced_step["wait_for_save"]
+                    self._install("wait_for_save", self._completing_saves(wait))
+                    self._step_installed.append("wait_for_save")
+
+        return bind_connector_metadata
+
+    def _clearing(self, clear: Callable[..., Any]) -> Callable[..., Any]:
+        def clear_connector_metadata() -> None:
+            clear()
+            if self._transfers is not None:
+                self._transfers.end_step()
+                self._calls.set_layer_load_marker(None)  # type: ignore[union-attr]
+            self.tracer.end_step()
+            if self._step_installed:  # back to what every step calls
+                for name in self._step_installed:
+                    self._install(name, self._untraced_step[name])
+                self._step_installed.clear()
+
+        return clear_connector_metadata
+
+    def _completing_saves(self, wait: Callable[[], None]) -> Callable[[], None]:
+        """wait_for_save of a step with sync saves: once it returns, they are done (or, if the step's load
+        failed and the composite stopped its layer saves, aborted). Once per step."""
+
+        def wait_for_save() -> None:
+            try:
+                wait()
+            finally:
+                self._install("wait_for_save", wait)
+                transfers, calls = self._tracker(), self._calls
+                assert calls is not None
+                if calls.layer_saves:
+                    transfers.saves_waited()
+                else:
+                    transfers.saves_skipped()
+
+        return wait_for_save
+
+    def _giving_back(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """get_transfer_results: async loads the composite reported failed end as failed transfers."""
+
+        def get_transfer_results(finished_req_ids: set[str]) -> Any:
+            results = call(finished_req_ids)
+            if results.failed_recving:
+                self._tracker().loads_given_back(results.failed_recving)
+            return results
+
+        return get_transfer_results
+
+    def _noting_load_errors(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """get_block_ids_with_load_errors: the tracker fails the step's loads of those blocks."""
+
+        def get_block_ids_with_load_errors() -> set[int]:
+            blocks = call()
+            if blocks:
+                self._tracker().load_errors(blocks)
+            return blocks
+
+        return get_block_ids_with_load_errors
+
+    # ---- stats, state, shutdown ----
+
+    def take_tables(self) -> dict[str, Any] | None:
+        """kvcompose's own tables since the last call (calls, transfers, span telemetry); None if all empty.
+        Flushed when the step runs no forward pass, or (scheduler side) no admitted request is left."""
+        if self._flush_at_take or (self._side is Side.SCHEDULER and not self._admitted):
+            self._flush_at_take = False
+            self.recorder.flush()
+        tables: dict[str, Any] = {}
+        if (calls := self.recorder.take()) is not None:
+            tables[CALLS_KEY] = calls
+        if self._transfers is not None and (transfers := self._transfer_recorder.take()) is not None:
+            tables[TRANSFERS_KEY] = transfers
+        if self._reports_span_telemetry and (telemetry := self._span_telemetry()) is not None:
+            tables[TELEMETRY_KEY] = telemetry
+        return tables or None
+
+    def _span_telemetry(self) -> TelemetryCounters | None:
+        """Spans this process dropped since the last report, and those waiting for export when that changed."""
+        dropped, queued = self.tracer.telemetry()
+        if not dropped and queued == self._reported_queued:
+            return None
+        self._reported_queued = queued
+        return TelemetryCounters(dropped, queued)
+
+    def sizes(self) -> dict[str, int]:
+        """Sizes of the per-request state kept here that is not empty."""
+        sizes = self._transfers.sizes() if self._transfers is not None else {}
+        if self._admitted:
+            sizes["admitted_requests"] = len(self._admitted)
+        if self.tracer.open_requests:
+            sizes["traced_requests"] = self.tracer.open_requests
+        return sizes
+
+    def close(self) -> None:
+        """The engine shuts down: open transfers end as aborted; the tracer exports what it holds."""
+        if self._transfers is not None:
+            self._transfers.close()
+        self.tracer.close()
