@@ -1,0 +1,114 @@
+"""Sampled call timing: one call in ``metrics.sample_every`` is timed, every call is counted.
+
+Driven step by step over scripted children, as vLLM orders the calls. The
+figures that show what sampling saves are the hot-path benchmark's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvcompose.metrics import recorder as recorder_module
+from kvcompose.operations import OPERATIONS
+from kvcompose.testing import recording
+
+from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
+
+WAIT = OPERATIONS["wait_for_save"]
+
+
+def _pair(vllm_config_with: Callable, every: int, hot: dict[str, Any] | None = None, **hot_config: Any,
+          ) -> tuple[Any, Any]:
+    children = []
+    for name, script in (("hot", hot or {}), ("cold", {})):
+        recording.CALL_LOGS.pop(f"sampling/{name}", None)
+        children.append({"name": name, **RECORDING, "config": {"log": f"sampling/{name}", "script": script},
+                         **(hot_config if name == "hot" else {})})
+    pipeline = {"version": 1, "name": "sampled", "metrics": {"sample_every": every}, "children": children}
+    return composite_pair(vllm_config_with, pipeline)
+
+
+def _forward_step(scheduler: Any, worker: Any) -> None:
+    """A decode step of one request: it runs a forward pass, so nothing is flushed."""
+    worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(cached=["r1"])))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def _idle_step(scheduler: Any, worker: Any) -> None:
+    """The step vLLM runs once its requests finished: no forward pass, the stats are flushed."""
+    worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output()))
+    worker.clear_connector_metadata()
+
+
+def _waits(stats: Any, child: str = "hot") -> int:
+    return 0 if stats is None or stats.calls is None else stats.calls.call_count(child, "wait_for_save")
+
+
+def test_one_call_in_sample_every_is_timed_and_counts_the_calls_before_it(vllm_config_with: Callable) -> None:
+    scheduler, worker = _pair(vllm_config_with, every=4)
+    for _ in range(10):
+        _forward_step(scheduler, worker)
+    assert worker._instrumentation.recorder.sampler(WAIT).timed_calls == 3  # calls 1, 5 and 9
+    assert _waits(worker.get_kv_connector_stats()) == 1 + 4 + 4  # the 10th counts with the next timed one
+
+    _idle_step(scheduler, worker)
+    assert _waits(worker.get_kv_connector_stats()) == 1  # ... or when the engine goes idle
+    assert _waits(worker.get_kv_connector_stats(), "cold") == 0  # taken with the hot one's, above
+
+
+def test_stats_taken_every_step_add_up_to_every_call_once_idle(vllm_config_with: Callable) -> None:
+    scheduler, worker = _pair(vllm_config_with, every=8)
+    counted = 0
+    for _ in range(21):  # vLLM takes the stats after every step
+        _forward_step(scheduler, worker)
+        counted += _waits(worker.get_kv_connector_stats())
+    assert counted < 21  # the calls since the last timed one are not counted yet
+    _idle_step(scheduler, worker)
+    assert counted + _waits(worker.get_kv_connector_stats()) == 21
+
+
+def test_failed_calls_are_counted_as_calls_and_as_errors_whether_timed_or_not(vllm_config_with: Callable) -> None:
+    scheduler, worker = _pair(vllm_config_with, every=4, hot={"raises": ["wait_for_save"]},
+                              circuit_breaker={"enabled": False})
+    for _ in range(6):
+        _forward_step(scheduler, worker)
+    _idle_step(scheduler, worker)
+    stats = worker.get_kv_connector_stats()
+    assert stats.calls.errors["hot"] == {"wait_for_save": {"ScriptedFailure": 6}}
+    assert _waits(stats) == _waits(stats, "cold") == 6
+
+
+def test_scheduler_counts_every_call_once_no_admitted_request_is_left(vllm_config_with: Callable) -> None:
+    scheduler, _ = _pair(vllm_config_with, every=32)
+    for index in range(3):
+        request = make_request(f"r{index}")
+        for _ in range(2):  # asked again while it waits for blocks
+            scheduler.get_num_new_matched_tokens(request, 0)
+        scheduler.update_state_after_alloc(request, make_blocks(1, 2), 0)
+        scheduler.build_connector_meta(scheduler_output(new=[request]))
+        scheduler.request_finished(request, [1, 2])
+    assert scheduler._instrumentation.recorder.sampler(OPERATIONS["get_num_new_matched_tokens"]).timed_calls == 1
+    calls = scheduler.get_kv_connector_stats().calls
+    assert [calls.call_count("hot", op) for op in ("lookup", "update_state_after_alloc", "request_finished")] == [
+        6, 3, 3]
+
+
+def test_after_an_idle_second_the_next_call_is_timed(vllm_config_with: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler, worker = _pair(vllm_config_with, every=32)
+    for _ in range(3):
+        _forward_step(scheduler, worker)
+    sampler = worker._instrumentation.recorder.sampler(WAIT)
+    _idle_step(scheduler, worker)
+    worker.get_kv_connector_stats()  # flushed at once: the resample clock starts now
+    monkeypatch.setattr(recorder_module, "RESAMPLE_AFTER_S", 0.0)  # as if a second had passed
+    _idle_step(scheduler, worker)
+    worker.get_kv_connector_stats()  # no call timed since the last look: the next one is
+    timed = sampler.timed_calls
+    _forward_step(scheduler, worker)
+    assert sampler.timed_calls == timed + 1
+    _idle_step(scheduler, worker)
+    assert _waits(worker.get_kv_connector_stats()) == 1  # it stands for itself alone
