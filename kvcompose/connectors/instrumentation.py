@@ -31,7 +31,7 @@ for the metrics.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -205,9 +205,12 @@ class Instrumentation:
         else:
             self._attach_worker()
 
-    def _bound(self, name: str) -> Callable[..., Any]:
-        """The composite's own method (its class's, bound to it)."""
-        return getattr(type(self._composite), name).__get__(self._composite)
+    def _forwarded_here(self) -> Iterator[tuple[str, Operation, Callable[..., Any]]]:
+        """(name, declaration, the composite's own bound method) of each forwarded operation of this side."""
+        for name, operation in OPERATIONS.items():
+            if operation.forwarded and operation.side in (self._side, Side.BOTH):
+                forward = self._forwards[name] = getattr(type(self._composite), name).__get__(self._composite)
+                yield name, operation, forward
 
     def _install(self, name: str, call: Callable[..., Any]) -> None:
         """vLLM's calls of the composite's method ``name`` go to ``call`` from now on."""
@@ -246,10 +249,7 @@ class Instrumentation:
     # ---- scheduler side ----
 
     def _attach_scheduler(self) -> None:
-        for name, operation in OPERATIONS.items():
-            if operation.side is Side.WORKER or not operation.forwarded or not hasattr(self._composite, name):
-                continue
-            forward = self._forwards[name] = self._bound(name)
+        for name, operation, forward in self._forwarded_here():
             call = self._counted_down(operation, forward)
             if self._tracing and operation.traced and operation.granularity is Granularity.REQUEST:
                 call = self._traced_if_sampled(operation, forward, call)
@@ -326,10 +326,7 @@ class Instrumentation:
     # ---- worker side ----
 
     def _attach_worker(self) -> None:
-        for name, operation in OPERATIONS.items():
-            if operation.side is Side.SCHEDULER or not operation.forwarded or not hasattr(self._composite, name):
-                continue
-            forward = self._forwards[name] = self._bound(name)
+        for name, operation, forward in self._forwarded_here():
             untraced = self._counted_down(operation, forward)
             traced = self._run_as(operation, Variant.TRACED, False, forward) if self._traced_in_steps(operation) \
                 else untraced

@@ -38,7 +38,7 @@ and clears every count; its failure opens it for another ``cooldown_s``.
 
 The breaker's state decides how each child call is made (:meth:`ChildGuard.gate`):
 a closed circuit with no failures to forget adds nothing; otherwise a gate
-skips, probes or reports successes. The composite binds its child calls again
+skips, probes or reports successes. The composite makes the child's calls again
 whenever that changes (``on_change``).
 
 Calls made once at start-up (registering caches, memory pools, handshakes)
@@ -81,7 +81,7 @@ class BreakerState(enum.IntEnum):
 
 
 FailureHook = Callable[[str, Operation, Exception], None]  # (child name, operation, error)
-# Told when the child's calls must be bound again: (guard, whether the circuit changed state).
+# Told when the child's calls must be made again: (guard, whether the circuit changed state).
 ChangeHook = Callable[["ChildGuard", bool], None]
 
 
@@ -122,7 +122,7 @@ class ChildGuard:
     def closed(self) -> bool:
         return self.state is BreakerState.CLOSED
 
-    # ---- how a call is made (bound again on every change) ----
+    # ---- how a call is made (made again on every change) ----
 
     def gate(self, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
         """``call`` as the breaker's state has it made now: as is, skipped or probed, or reporting

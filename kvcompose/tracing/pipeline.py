@@ -20,7 +20,10 @@ so a sampled request keeps all its spans whatever the ratio.
 
 Spans are :class:`SpanRecord` tuples here (ids and clock reads, no
 OpenTelemetry objects); each step's records go to the process's shipper in
-one batch. Requests that are not sampled cost a dict look-up per call.
+one batch. The instrumentation (kvcompose.connectors.instrumentation) routes
+only the calls of sampled requests and their steps through the traced calls
+this tracer makes (:meth:`PipelineTracer.traced`): a request that is not
+sampled costs one dict look-up per call of the composite.
 """
 
 from __future__ import annotations
