@@ -32,6 +32,7 @@ for the metrics.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -66,6 +67,8 @@ logger = get_logger("instrumentation")
 
 _TRANSFER_RESULTS, _WORKER_META = OPERATIONS["get_transfer_results"], OPERATIONS["build_connector_worker_meta"]
 _LOAD_ERRORS = OPERATIONS["get_block_ids_with_load_errors"]
+# The exporter's counters (spans dropped, spans waiting) are read at most this often, not every step.
+TELEMETRY_EVERY_S = 0.5
 
 
 class Instrumentation:
@@ -105,6 +108,7 @@ class Instrumentation:
         self._transfers: TransferTracker | None = None  # made when attached (it reads the children's guards)
         self._reports_span_telemetry = metrics.enabled and tracing.enabled
         self._reported_queued = 0
+        self._telemetry_due = 0.0  # monotonic time the exporter's counters are next read
         # Scheduler side: children whose transfers are jobs in their metadata (their requests join the step's trace).
         self._job_children = [spec.index for spec in specs
                               if tracing.enabled and completion_mode(spec.connector_cls) == "jobs"]
@@ -443,8 +447,10 @@ class Instrumentation:
             tables[CALLS_KEY] = calls
         if self._transfers is not None and (transfers := self._transfer_recorder.take()) is not None:
             tables[TRANSFERS_KEY] = transfers
-        if self._reports_span_telemetry and (telemetry := self._span_telemetry()) is not None:
-            tables[TELEMETRY_KEY] = telemetry
+        if self._reports_span_telemetry and (now := monotonic()) >= self._telemetry_due:
+            self._telemetry_due = now + TELEMETRY_EVERY_S
+            if (telemetry := self._span_telemetry()) is not None:
+                tables[TELEMETRY_KEY] = telemetry
         return tables or None
 
     def _span_telemetry(self) -> TelemetryCounters | None:
