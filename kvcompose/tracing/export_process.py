@@ -3,7 +3,9 @@
 Started by :class:`kvcompose.tracing.shipping.ProcessShipper`, one per engine
 process that traces, so that building and encoding spans (most of tracing's
 cost) never runs on the engine's CPU. It polls the engine's :class:`Ring`
-(its path is the one argument): the first frame holds the settings
+(its path is the one argument; every 0.1 s while records arrive, backing off
+to once a second while none do, and at once when the engine closes its end of
+this process's stdin): the first frame holds the settings
 (``service_name``, ``exporter``, ``endpoint``, ``version``), every later one
 is ``("t", [span templates])`` or ``("r", [span records])`` (see
 :mod:`kvcompose.tracing.records`). It writes the spans it dropped (queue full
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import sys
 import threading
 import time
@@ -41,7 +44,8 @@ EXPORT_BATCH = 512
 # batch processor waits 5 s). A request costs the exporter's client about 0.6 ms of CPU whatever its size,
 # and on a machine of few cores that CPU is taken from the engine's neighbour.
 EXPORT_INTERVAL_S = 2.0
-POLL_S = 0.1
+POLL_S = 0.1  # how often the ring is read while records arrive
+IDLE_POLL_S = 1.0  # ... backing off to this while none do (the ring holds far more than a second of spans)
 SHUTDOWN_FLUSH_S = 2.0
 TEMPLATES_FRAME, RECORDS_FRAME = "t", "r"
 
@@ -163,6 +167,13 @@ class _Exporting:
         self._exporter.shutdown()
 
 
+def _wait_for_engine(seconds: float) -> bool:
+    """Sleep up to ``seconds``, woken early when the engine closes its end of this process's stdin (it
+    shuts down, or it died); True then."""
+    readable, _, _ = select.select([sys.stdin], [], [], seconds)
+    return bool(readable) and not os.read(sys.stdin.fileno(), 1)
+
+
 def main() -> None:
     ring = Ring.attach(sys.argv[1])
     with contextlib.suppress(OSError):  # both sides have it mapped: no file is left if the engine dies
@@ -170,9 +181,12 @@ def main() -> None:
     engine = os.getppid()
     settings: dict[str, Any] | None = None
     exporting: _Exporting | None = None
+    poll_s, engine_gone = POLL_S, False
     while True:
-        closing = ring.counter(CLOSED) or os.getppid() != engine
-        for frame in ring.take():
+        closing = engine_gone or ring.counter(CLOSED) or os.getppid() != engine
+        frames = ring.take()
+        poll_s = POLL_S if frames else min(2 * poll_s, IDLE_POLL_S)
+        for frame in frames:
             if settings is None:
                 settings = frame
                 exporter = span_exporter(settings["exporter"], settings["endpoint"])
@@ -187,7 +201,7 @@ def main() -> None:
             ring.set_counter(QUEUED, exporting.queued)
         if closing:
             break
-        time.sleep(POLL_S)
+        engine_gone = _wait_for_engine(poll_s)
     if exporting is not None:
         exporting.close()
 

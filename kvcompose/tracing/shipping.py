@@ -111,9 +111,9 @@ class ProcessShipper:
         self.templates.mark_unshipped()  # after close(), this is a new exporter: it knows none
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        self._process = subprocess.Popen(
+        self._process = subprocess.Popen(  # its stdin: closed by close(), or by the kernel when this process dies
             [sys.executable, "-m", export_process.__name__, self._ring.path],
-            stdin=subprocess.DEVNULL, env=env, close_fds=True, start_new_session=True,
+            stdin=subprocess.PIPE, env=env, close_fds=True, start_new_session=True,
         )
         atexit.register(self.close)
 
@@ -132,6 +132,8 @@ class ProcessShipper:
         if ring is None or process is None:
             return
         ring.set_counter(CLOSED, 1)
+        if process.stdin is not None:
+            process.stdin.close()  # wakes it at once
         deadline = time.monotonic() + STARTUP_WAIT_S
         while not ring.counter(READ) and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)  # still importing: what it was sent would be lost
