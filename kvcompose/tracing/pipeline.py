@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from time import time_ns
+from time import monotonic, time_ns
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcompose.config import Pipeline
@@ -58,6 +58,10 @@ class TracedRequest(NamedTuple):
 
 
 _UNSEEN = object()  # a request no child was asked about yet
+# Scheduler side: records are shipped when a step is scheduled this long after the last ship, or once this
+# many wait; and whenever no request is left.
+SHIP_EVERY_S = 0.1
+SHIP_AT = 256
 # Breaker events that happen during a traced call, by the call's span id, until the call ends; shared by
 # every tracer of the process, as is CURRENT_CALL. Almost always empty.
 _CALL_EVENTS: dict[int, tuple[tuple[str, int, Mapping[str, Any]], ...]] = {}
@@ -93,6 +97,7 @@ class PipelineTracer:
         self._step_spans = pipeline.tracing.granularity in ("step", "layer")
         self._layer_spans = pipeline.tracing.granularity == "layer"
         self._records: list[SpanRecord] = []
+        self._shipped_at = 0.0  # monotonic time of the last ship
         templates = shipper.templates
         self._request_template = templates.register("kvcompose.request", {attr.PIPELINE: pipeline.name,
                                                                           attr.ROLE: role}, (attr.LOADED_BY,))
@@ -275,9 +280,11 @@ class PipelineTracer:
         self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None, moving: Iterable[str] = ()
     ) -> tuple[TracedRequest, ...] | None:
         """The sampled requests whose KV the step being scheduled moves (new, loading, named in
-        ``moving``, or finished with saves still running), for the workers. Ships the records of the
-        step just ended."""
-        self.flush()
+        ``moving``, or finished with saves still running), for the workers. Ships the records kept so
+        far every :data:`SHIP_EVERY_S` (or :data:`SHIP_AT` records): a ship costs a ``marshal`` and a copy
+        whatever its size, and the records of a request that finishes alone go at its end anyway."""
+        if self._records and (len(self._records) >= SHIP_AT or monotonic() - self._shipped_at >= SHIP_EVERY_S):
+            self.flush()
         requests = self._requests
         new_ids = [new.req_id for new in scheduler_output.scheduled_new_reqs]
         traced = [TracedRequest(req_id, entry.trace_id, entry.span_id, True)
@@ -348,6 +355,7 @@ class PipelineTracer:
 
     def flush(self) -> None:
         if self._records:  # emptied in place: the span runners hold its append
+            self._shipped_at = monotonic()
             records = self._records.copy()
             self._records.clear()
             self._shipper.ship(records)
