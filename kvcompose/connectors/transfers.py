@@ -130,6 +130,8 @@ class TransferTracker:
         self._step_loads: list[_Transfer] = []  # sync loads of the bound step
         self._step_saves: list[_Transfer] = []  # sync saves of the bound step
         self._load_end_ns = 0  # the step's last layer wait
+        self._bound_at = 0  # when the step was bound (ns since the epoch)
+        self._contexts: Mapping[str, SpanContextIds] = {}  # request id -> span context, of the bound step's traced
         self._failures_at_bind: list[int] = []
         self._load_error_blocks: set[int] = set()
         self._step_load_blocks: dict[str, tuple[int, ...]] = {}
@@ -144,6 +146,8 @@ class TransferTracker:
             self._failures_at_bind = []  # a step that moves nothing of ours: no transfer starts
             return
         self._failures_at_bind = [guard.failures for guard in self._guards]
+        self._bound_at = time_ns()  # every transfer the step opens starts now
+        self._contexts = self._tracer.step_contexts()
         for req_id, plan in (metadata.loads or {}).items():
             if self._modes[plan.child] == "jobs":
                 continue  # its jobs say more, below
@@ -183,9 +187,9 @@ class TransferTracker:
 
     def saves_waited(self) -> None:
         """The step's ``wait_for_save`` returned: its sync saves are done."""
-        end = time_ns()
+        end, failed = time_ns(), self._failed_children()
         for transfer in self._step_saves:
-            self._end(transfer, end, "failed" if self._failed_this_step(transfer.child) else "ok")
+            self._end(transfer, end, "failed" if failed[transfer.child] else "ok")
         self._step_saves = []
 
     def saves_skipped(self) -> None:
@@ -203,9 +207,9 @@ class TransferTracker:
         if not (self._step_loads or self._step_saves or self._open):  # the step moved nothing tracked
             self._load_end_ns, self._load_error_blocks = 0, set()
             return
-        end = self._load_end_ns or time_ns()
+        end, failed_children = self._load_end_ns or time_ns(), self._failed_children()
         for transfer in self._step_loads:
-            failed = self._failed_this_step(transfer.child) or not self._load_error_blocks.isdisjoint(
+            failed = failed_children[transfer.child] or not self._load_error_blocks.isdisjoint(
                 self._step_load_blocks.get(transfer.req_id, ()))
             self._end(transfer, end, "failed" if failed else "ok")
         self.saves_skipped()  # saves left open: the step had no wait_for_save
@@ -272,11 +276,12 @@ class TransferTracker:
 
     def _start(self, child: int, direction: Literal["load", "save"], req_id: str, blocks: int) -> _Transfer:
         self._recorder.started(child, direction)
-        return _Transfer(child, direction, req_id, blocks, time_ns(), self._tracer.request_context(req_id))
+        context = self._contexts.get(req_id) if self._contexts else None  # traced requests of the step
+        return _Transfer(child, direction, req_id, blocks, self._bound_at, context)
 
     def _end(self, transfer: _Transfer, end_ns: int, outcome: Literal["ok", "failed", "aborted"]) -> None:
         nbytes = transfer.blocks * self._block_bytes
-        seconds = max(0, end_ns - transfer.start_ns) / 1e9
+        seconds = (end_ns - transfer.start_ns) / 1e9 if end_ns > transfer.start_ns else 0.0
         context = transfer.context
         self._recorder.ended(transfer.child, transfer.direction, seconds, nbytes, outcome,
                              None if context is None else format(context.trace_id, "032x"))
@@ -287,6 +292,10 @@ class TransferTracker:
                               else FAILED_TRANSFER)
             self._tracer.transfer(context, self._specs[transfer.child], transfer.req_id, transfer.direction,
                                   transfer.start_ns, end_ns, transfer.blocks, nbytes, outcome, error_type)
+
+    def _failed_children(self) -> list[bool]:
+        """Per child: did it fail in this step (see :meth:`_failed_this_step`)?"""
+        return [self._failed_this_step(child) for child in range(len(self._guards))]
 
     def _failed_this_step(self, child: int) -> bool:
         return bool(self._failures_at_bind) and self._guards[child].failures != self._failures_at_bind[child]

@@ -164,9 +164,8 @@ class TransferTable:
 class TransferRecorder:
     """This process's transfers since the last :meth:`take`; records nothing when metrics are off.
 
-    ``started`` and ``ended`` may be called from any thread (a child may report
-    a transfer done from its own), so they hold a lock: a few hundred ns per
-    transfer, not per layer.
+    ``started`` and ``ended`` append one entry each (atomic, so any thread may call them: a child may report
+    a transfer done from its own); :meth:`take` folds them into a :class:`TransferTable`, holding a lock.
     """
 
     def __init__(self, enabled: bool, child_names: Sequence[str], bounds: Sequence[float]) -> None:
@@ -175,34 +174,41 @@ class TransferRecorder:
         self._bounds = tuple(bounds)
         self._buckets = len(self._bounds) + 1
         self._lock = threading.Lock()
-        self._table = self._empty()
-        self._changed = False  # since the last take: the table is empty otherwise (checked without the lock)
-
-    def _empty(self) -> TransferTable:
-        return TransferTable(self._children, self._buckets)
+        # Filled in place: a lane (a transfer started), or (lane, seconds, bytes, failure index or -1,
+        # exemplar or None) (one ended).
+        self._events: list[Any] = []
 
     def started(self, child: int, direction: Direction) -> None:
         """Child ``child`` (its index in the pipeline) began a transfer."""
-        if not self.enabled:
-            return
-        lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
-        with self._lock:
-            self._table.in_flight[lane] += 1
-            self._changed = True
+        if self.enabled:
+            self._events.append(child * len(DIRECTIONS) + _DIRECTION_INDEX[direction])
 
     def ended(
         self, child: int, direction: Direction, seconds: float, nbytes: int, outcome: Outcome, trace_id: str | None,
     ) -> None:
         """A transfer of child ``child`` ended after ``seconds``, having moved ``nbytes`` (whatever the outcome:
         pass what moved). ``trace_id`` (32 hex digits), when the transfer was traced, becomes its bucket's exemplar."""
-        if not self.enabled:
-            return
-        lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
-        cell = lane * self._buckets + bisect_left(self._bounds, seconds)  # Prometheus' le: bound inclusive
-        failure = None if outcome == "ok" else lane * len(FAILURES) + _FAILURE_INDEX[outcome]
-        exemplar = [time.time(), trace_id, seconds] if trace_id else None
+        if self.enabled:
+            lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
+            failure = -1 if outcome == "ok" else lane * len(FAILURES) + _FAILURE_INDEX[outcome]
+            exemplar = [time.time(), trace_id, seconds] if trace_id else None
+            self._events.append((lane, seconds, nbytes, failure, exemplar))
+
+    def take(self) -> TransferTable | None:
+        """The transfers since the last take, then start afresh; None if none ended and none started."""
+        if not self._events:
+            return None
+        table = TransferTable(self._children, self._buckets)
+        bounds, buckets = self._bounds, self._buckets
         with self._lock:
-            table = self._table
+            events = self._events[:]
+            del self._events[: len(events)]  # what other threads append meanwhile stays for the next take
+        for event in events:
+            if type(event) is int:
+                table.in_flight[event] += 1
+                continue
+            lane, seconds, nbytes, failure, exemplar = event
+            cell = lane * buckets + bisect_left(bounds, seconds)  # Prometheus' le: bound inclusive
             table.in_flight[lane] -= 1
             if (entry := table.cells.get(cell)) is None:
                 table.cells[cell] = [1, seconds]
@@ -210,16 +216,8 @@ class TransferRecorder:
                 entry[0] += 1
                 entry[1] += seconds
             table.moved_bytes[lane] += nbytes
-            if failure is not None:
+            if failure >= 0:
                 table.failures[failure] += 1
             if exemplar is not None:
                 table.exemplars[cell] = exemplar
-            self._changed = True
-
-    def take(self) -> TransferTable | None:
-        """The transfers since the last take, then start afresh; None if none ended and none started."""
-        if not self._changed:
-            return None
-        with self._lock:
-            table, self._table, self._changed = self._table, self._empty(), False
         return None if table.is_empty() else table  # transfers that started and ended cancel out in flight

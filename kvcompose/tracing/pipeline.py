@@ -323,9 +323,9 @@ class PipelineTracer:
         self._step_span = None
         self.flush()
 
-    def request_context(self, req_id: str) -> SpanContextIds | None:
-        """Worker side: the span context of a traced request of the bound step."""
-        return self._step_contexts.get(req_id)
+    def step_contexts(self) -> Mapping[str, SpanContextIds]:
+        """Worker side: the span contexts of the bound step's traced requests, by request id."""
+        return self._step_contexts
 
     def transfer(
         self, context: SpanContextIds, spec: ChildSpec, request_id: str, direction: str, start_ns: int, end_ns: int,
@@ -399,8 +399,8 @@ class NoTracing:
     def end_step(self) -> None:
         pass
 
-    def request_context(self, req_id: str) -> None:
-        return None
+    def step_contexts(self) -> Mapping[str, SpanContextIds]:
+        return {}
 
     def breaker_changed(self, connector: str, state: str) -> None:
         pass
