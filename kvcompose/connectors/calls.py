@@ -1,7 +1,7 @@
 """The calls the composite makes into its children: per operation, a tuple of callables in pipeline order.
 
-The composite's loops iterate ``calls.current.<operation>`` and nothing else,
-so forwarding costs what MultiConnector's loops cost. Each tuple holds one
+The composite's loops iterate ``ChildCalls.current.<operation>`` and nothing
+else, so forwarding costs what MultiConnector's loops cost. Each tuple holds one
 call per child that takes part in the operation (``Operation.children``:
 every child, the loaders or the savers; per-layer operations leave out a
 child whose circuit is not closed, and no child saves a layer while
@@ -11,9 +11,10 @@ Each child's call is made here, at start-up and again whenever its breaker
 changes how it must be made (:meth:`ChildCalls.rebuild`), in up to three
 variants (:class:`Variant`). Innermost to outermost: the timer (timed and
 traced variants), the breaker's gate, the span (traced variant), the tap (what
-observers read from every call's result), and isolation for the isolated
-operations off the data path (see :mod:`kvcompose.connectors.isolation`). With
-nothing to add, a call is the child's own bound method.
+observers read from every call's result), and isolation of a result iterated
+after the call (see :mod:`kvcompose.connectors.isolation`; the composite's loops
+catch every other failure). With nothing to add, a call is the child's own
+bound method.
 
 The composite calls the plain variant (``current``), unless the
 instrumentation (:mod:`kvcompose.connectors.instrumentation`) puts another in
@@ -64,6 +65,8 @@ class Fanout:
 
 
 class ChildCalls:
+    """Every child's calls of every operation, in each variant; see the module docstring."""
+
     def __init__(self, children: Sequence[Child], wrappers: CallWrappers | None = None) -> None:
         self.children = tuple(children)
         self._wrappers = wrappers or CallWrappers()

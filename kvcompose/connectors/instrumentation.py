@@ -46,7 +46,6 @@ from kvcompose.connectors.transfers import (
     is_first_worker,
     job_requests,
 )
-from kvcompose.logs import get_logger
 from kvcompose.metrics.recorder import DENSE_FROM_WORKERS, OperationSampler, PipelineRecorder
 from kvcompose.metrics.stats import CALLS_KEY, TELEMETRY_KEY, TRANSFERS_KEY
 from kvcompose.metrics.telemetry import TelemetryCounters
@@ -62,8 +61,6 @@ if TYPE_CHECKING:
     from kvcompose.connectors.composite import KVComposeConnector
     from kvcompose.connectors.ledger import SchedulerLedger
     from kvcompose.connectors.metadata import KVComposeMetadata
-
-logger = get_logger("instrumentation")
 
 _TRANSFER_RESULTS, _WORKER_META = OPERATIONS["get_transfer_results"], OPERATIONS["build_connector_worker_meta"]
 _LOAD_ERRORS = OPERATIONS["get_block_ids_with_load_errors"]
@@ -129,20 +126,16 @@ class Instrumentation:
     def call_wrappers(self) -> CallWrappers:
         """What the children's calls get: the recorder's timer and the tracer's span, in the timed and
         traced variants; the taps, in every variant."""
-        timed = traced = None
-        if self.recorder.enabled:
-            recorder = self.recorder
+        recorder, tracer = self.recorder, self.tracer
 
-            def timed(child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
-                return recorder.timed(child.name, operation, call)
+        def timed(child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
+            return recorder.timed(child.name, operation, call)
 
-        if self._tracing:
-            tracer = self.tracer
+        def traced(child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
+            return tracer.traced(child.spec, operation, call)  # type: ignore[union-attr]
 
-            def traced(child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
-                return tracer.traced(child.spec, operation, call)  # type: ignore[union-attr]
-
-        return CallWrappers(timed=timed, traced=traced, tapped=self._tap)
+        return CallWrappers(timed=timed if recorder.enabled else None, traced=traced if self._tracing else None,
+                            tapped=self._tap)
 
     def _tap(self, child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
         """``call``, with what the tracker or the metrics read from its result (or its failure)."""
