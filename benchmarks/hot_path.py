@@ -5,7 +5,8 @@ Subjects, all over no-op children (see ``benchmarks/connectors.py``):
 - ``direct``: one child called directly (the floor is ``children`` such calls);
 - ``multi``: vLLM's MultiConnector;
 - ``kvc_bare``: KVComposeConnector, metrics and tracing off;
-- ``kvc_off``: KVComposeConnector as shipped: metrics on, tracing off;
+- ``kvc_off``: KVComposeConnector as shipped: metrics on (one call in
+  ``metrics.sample_every`` timed, every call counted), tracing off;
 - ``kvc_request`` / ``kvc_step`` / ``kvc_layer``: metrics on, tracing at that
   granularity. Spans are created and ended by the pipeline's own SDK tracer
   provider with exporter ``none`` (no span processor), so the figures are the
@@ -15,7 +16,8 @@ Worker-side calls run inside a bound step built by the scheduler-side composite
 from a real vLLM ``SchedulerOutput``: one sampled request in its first step,
 loaded by the first child. That step makes spans at every granularity (a load
 span, a save span per child, and with ``step`` or ``layer`` the step's spans),
-so it is the costliest step a request has.
+so it is the costliest step a request has (its load also has the transfer
+tracker mark the end of every layer's wait).
 
 Scheduler side, ``get_num_new_matched_tokens`` repeats the lookup of one open
 request (its request span is started by the first lookup, as vLLM asks again
