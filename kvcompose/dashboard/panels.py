@@ -29,7 +29,8 @@ OVERVIEW: tuple[PanelSpec, ...] = (
 CHILD_CALLS: tuple[PanelSpec, ...] = (
     PanelSpec(
         "Call latency p50 / p90 / p99",
-        "Latency of kvcompose's calls into the child, by operation (the $op variable filters them).",
+        "Latency of kvcompose's calls into the child, by operation (the $op variable filters them): a sample, "
+        "one call in metrics.sample_every (32), each standing for the calls before it.",
         "s", q.LATENCY, min=0,
     ),
     PanelSpec("Call rate", "Calls into the child per second, by operation.", "ops", (q.CALL_RATE,), min=0),
