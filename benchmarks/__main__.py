@@ -76,7 +76,7 @@ def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    parser.add_argument("--rounds", type=int, default=16, help="end-to-end measurements per configuration")
+    parser.add_argument("--rounds", type=int, default=32, help="end-to-end measurements per configuration")
     args = parser.parse_args()
     parts = tuple(part for part in args.parts.split(",") if part)
     if unknown := set(parts) - set(PARTS):

@@ -34,7 +34,8 @@ server's process, off the engine's path.
 Why not one engine after another: on this shared 2-core machine, ratios of
 runs minutes apart swung by 20-30% (kvc_off / multi read 1.26, 1.06 and 0.998
 in three sittings of three repetitions). Seconds apart, single rounds still
-vary by about 15%; the median of 16 rounds settles. Why one OpenMP thread per
+vary by about 15%; the median of 32 rounds settles within a few percent (16
+left the ratios' middle half 5-7 points wide). Why one OpenMP thread per
 engine: with two, any other process stalls the engine's parallel regions
 (throughput swung tenfold between batches).
 """
@@ -141,7 +142,7 @@ class EngineProcess:
         self._results.close()
 
 
-def measure(rounds: int = 16, configurations: tuple[str, ...] = CONFIGURATIONS) -> dict[str, Any]:
+def measure(rounds: int = 32, configurations: tuple[str, ...] = CONFIGURATIONS) -> dict[str, Any]:
     from tests.server_support import free_port
 
     sink = OtlpSink()
