@@ -6,6 +6,7 @@ connectors' framework, not the disk, which other work on the machine shares):
 
 - ``none``: no connector (the engine alone);
 - ``multi``: vLLM's MultiConnector;
+- ``multi_twin``: the same again, in a process of its own (see below);
 - ``kvc_off``: KVComposeConnector, metrics on, tracing off;
 - ``kvc_request``: tracing at request granularity (the default), exported
   over OTLP/HTTP to a collector stand-in on loopback that reads and discards
@@ -35,7 +36,13 @@ Why not one engine after another: on this shared 2-core machine, ratios of
 runs minutes apart swung by 20-30% (kvc_off / multi read 1.26, 1.06 and 0.998
 in three sittings of three repetitions). Seconds apart, single rounds still
 vary by about 15%; the median of 32 rounds settles within a few percent (16
-left the ratios' middle half 5-7 points wide). Why one OpenMP thread per
+left the ratios' middle half 5-7 points wide). The rounds cannot
+average out what differs between engine processes, though: four identical
+MultiConnector engines measured this way (16 rounds) read up to 7% apart in
+time to first token and 4% in tokens/s in one run, within 2% in the next (a
+process keeps its placement in memory, and its caches' luck, for all its
+rounds). ``multi_twin / multi`` shows that floor in every run: a ratio that
+close to its target is not a measured difference. Why one OpenMP thread per
 engine: with two, any other process stalls the engine's parallel regions
 (throughput swung tenfold between batches).
 """
@@ -54,8 +61,9 @@ from typing import Any
 from benchmarks.otlp_sink import OtlpSink
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGURATIONS = ("none", "multi", "kvc_off", "kvc_request", "kvc_step", "kvc_unreachable")
+CONFIGURATIONS = ("none", "multi", "multi_twin", "kvc_off", "kvc_request", "kvc_step", "kvc_unreachable")
 GRANULARITY = {"kvc_request": "request", "kvc_step": "step", "kvc_unreachable": "step"}
+TWINS = "multi_twin / multi"  # two identical engines: what process-to-process differences read in this run
 # (name, subject, baseline): subject's figure over baseline's, per round
 RATIOS = (
     ("kvc_off / multi", "kvc_off", "multi"),
@@ -64,6 +72,7 @@ RATIOS = (
     ("kvc_unreachable / kvc_off", "kvc_unreachable", "kvc_off"),
     ("kvc_unreachable / kvc_step", "kvc_unreachable", "kvc_step"),  # the endpoint's part of that
     ("multi / none", "multi", "none"),
+    (TWINS, "multi_twin", "multi"),
 )
 ROUND_FIGURES = ("tokens_per_s", "tokens_per_cpu_s", "ttft_ms")
 CONNECTOR_COST = ("connector_us_per_token", "exporter_us_per_token")  # per round, summed
@@ -89,7 +98,7 @@ def kv_transfer_config(name: str, stores: Path, endpoints: dict[str, str]) -> di
     tiers = {"hot": stores / "hot", "cold": stores / "cold"}
     if name == "none":
         return None
-    if name == "multi":
+    if name in ("multi", "multi_twin"):
         children = [{"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                      "kv_connector_extra_config": {"shared_storage_path": str(path)}} for path in tiers.values()]
         config = {"kv_connector": "MultiConnector", "kv_role": "kv_both",

@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from benchmarks import end_to_end
+
 HOT_PATH_MAX_VS_MULTI = 2.0  # kvcompose (metrics on, tracing off) per call / MultiConnector's
 BARE_MAX_VS_MULTI = 1.0  # kvcompose with metrics and tracing off
 STEP_TRACING_MIN_VS_MULTI = 0.97  # tokens/s with tracing at step granularity / MultiConnector's
+STEP_TRACING_MAX_TTFT_VS_MULTI = 1.05  # time to first token, the same engines
 UNREACHABLE_MIN_VS_OFF = 0.95  # tokens/s exporting to a closed port / tracing off
 # RSS growth over tracing off while exporting nowhere: the span queue holds at
 # most 4096 spans (provider.MAX_QUEUED_SPANS), a few KiB each.
@@ -84,7 +87,11 @@ def end_to_end_checks(result: dict[str, Any]) -> list[Check]:
     checks = []
     if (step := ratios.get("kvc_step / multi")) is not None:
         target = f"tokens/s, tracing at step granularity >= {STEP_TRACING_MIN_VS_MULTI}x MultiConnector"
-        checks += _throughput_checks(target, step, STEP_TRACING_MIN_VS_MULTI)
+        checks += _throughput_checks(target, step, STEP_TRACING_MIN_VS_MULTI, ratios.get(end_to_end.TWINS))
+        checks.append(Check(
+            f"time to first token, tracing at step granularity <= {STEP_TRACING_MAX_TTFT_VS_MULTI}x MultiConnector",
+            f"{step['ttft_ms']:.3f}x" + _twins(ratios.get(end_to_end.TWINS), "ttft_ms"),
+            step["ttft_ms"] <= STEP_TRACING_MAX_TTFT_VS_MULTI))
     if (unreachable := ratios.get("kvc_unreachable / kvc_off")) is not None:
         target = f"tokens/s, tracing endpoint unreachable >= {UNREACHABLE_MIN_VS_OFF}x tracing off"
         checks += _throughput_checks(target, unreachable, UNREACHABLE_MIN_VS_OFF)
@@ -95,14 +102,22 @@ def end_to_end_checks(result: dict[str, Any]) -> list[Check]:
     return checks
 
 
-def _throughput_checks(target: str, ratio: dict[str, Any], minimum: float) -> list[Check]:
+def _throughput_checks(
+    target: str, ratio: dict[str, Any], minimum: float, twins: dict[str, Any] | None = None,
+) -> list[Check]:
     """The ratio as measured, and as the connectors' measured cost implies (steadier; see end_to_end)."""
     low, high = ratio["tokens_per_s_middle_half"]
     return [
         Check(f"{target}: measured", f"{ratio['tokens_per_s']:.3f}x (middle half of rounds {low:.2f}..{high:.2f}; "
-              f"per CPU-second {ratio['tokens_per_cpu_s']:.3f}x)", ratio["tokens_per_s"] >= minimum),
+              f"per CPU-second {ratio['tokens_per_cpu_s']:.3f}x){_twins(twins, 'tokens_per_s')}",
+              ratio["tokens_per_s"] >= minimum),
         Check(f"{target}: from the connectors' cost", f"{ratio['from_cost']:.3f}x", ratio["from_cost"] >= minimum),
     ]
+
+
+def _twins(twins: dict[str, Any] | None, figure: str) -> str:
+    """What two identical MultiConnector engines read apart in the same run: the measurement's floor."""
+    return "" if twins is None else f"; two identical MultiConnector engines: {twins[figure]:.3f}x"
 
 
 def as_records(checks: list[Check]) -> list[dict[str, Any]]:
