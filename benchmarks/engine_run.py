@@ -11,7 +11,10 @@ JSON lines on the file descriptor ``--result-fd``.
 A round (tiny model, greedy, ``ignore_eos``):
 
 - time to first token of ``TTFT_PROMPTS`` new prompts, one after another, as
-  the engine reports it (arrival to first token); every connector saves them;
+  the engine reports it (arrival to first token); every connector saves them.
+  A prompt asks for one token, so its whole life (lookup to
+  ``request_finished`` and the stats taken after it) lies inside that time,
+  and so does all the time its engine spends in the connector, timed apart;
 - one batch of ``BATCH`` prompts generating ``OUTPUT_TOKENS`` each: half repeat
   earlier prompts (a connector loads them), half are new (saved). Output
   tokens per second of wall time and per second of this process's CPU time
@@ -78,7 +81,9 @@ class MeasuredEngine:
         return self._llm.generate(prompts, sampling, use_tqdm=False)
 
     def round(self) -> dict[str, Any]:
+        ENGINE.reset()
         ttft_s = [self._generate([self._new()], 1)[0].metrics.first_token_latency for _ in range(TTFT_PROMPTS)]
+        connector_us_per_first_token = 1e6 * ENGINE.seconds / TTFT_PROMPTS
         repeated = self._seen[-(BATCH // 2):]
         prompts = repeated + [self._new() for _ in range(BATCH - len(repeated))]
         ENGINE.reset()
@@ -91,6 +96,7 @@ class MeasuredEngine:
         exporter_s, self._exporter_cpu_s = exporter_now - self._exporter_cpu_s, exporter_now
         return {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / elapsed_cpu,
                 "ttft_ms": 1000 * statistics.median(ttft_s),
+                "connector_us_per_first_token": connector_us_per_first_token,
                 "connector_us_per_token": 1e6 * ENGINE.seconds / tokens,
                 "connector_us_per_token_by_call": {call: 1e6 * seconds / tokens
                                                    for call, seconds in ENGINE.by_call.items()},
