@@ -170,6 +170,27 @@ def test_unsampled_requests_create_no_spans_and_no_metadata(vllm_config_with: Ca
     assert scheduler._instrumentation.tracer.open_requests == 0
 
 
+def test_spans_are_shipped_once_no_request_is_left_whichever_request_finished_last(
+    vllm_config_with: Callable, exporter: Any
+) -> None:
+    """An idle scheduler schedules no step that would ship what its sampled requests recorded: they go when
+    the last request leaves, sampled or not (an unsampled last one once left them waiting for the next
+    request)."""
+    scheduler, _ = composite_pair(vllm_config_with, _pipeline({"sample_ratio": 0.0}))
+    sampled, unsampled = make_request("r1", TRACEPARENT), make_request("r2")
+    for request in (sampled, unsampled):
+        scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.request_finished(sampled, [])
+    assert exporter.get_finished_spans() == ()  # a request is still open: its steps will ship them
+
+    scheduler.request_finished(unsampled, [])
+
+    spans = _by_name(exporter.get_finished_spans())
+    (request_span,) = spans["kvcompose.request"]
+    assert request_span.attributes[attr.REQUEST_ID] == "r1"
+    assert _connectors(spans["kvcompose.lookup"]) == ["hot", "cold"]
+
+
 def test_tracing_off_wraps_nothing(vllm_config_with: Callable, exporter: Any) -> None:
     pipeline = _pipeline({})
     pipeline["tracing"]["enabled"] = False

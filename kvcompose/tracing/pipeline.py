@@ -19,8 +19,10 @@ Decode-only steps make no span. A step span exists only for traced requests,
 so a sampled request keeps all its spans whatever the ratio.
 
 Spans are :class:`SpanRecord` tuples here (ids and clock reads, no
-OpenTelemetry objects); each step's records go to the process's shipper in
-one batch. The instrumentation (kvcompose.connectors.instrumentation) routes
+OpenTelemetry objects), shipped in batches: a worker ships each step's
+records at the step's end; the scheduler ships what it kept when it schedules
+a step :data:`SHIP_EVERY_S` after its last shipment (or once
+:data:`SHIP_AT` records wait), and when no request is left. The instrumentation (kvcompose.connectors.instrumentation) routes
 only the calls of sampled requests and their steps through the traced calls
 this tracer makes (:meth:`PipelineTracer.traced`): a request that is not
 sampled costs one dict look-up per call of the composite.
@@ -267,13 +269,12 @@ class PipelineTracer:
         req_id = request.request_id
         entry = self._requests.pop(req_id, None)
         loader = self._loaders.pop(req_id, None)
-        if entry is None:
-            return
-        self._records.append((self._request_template, entry.trace_id, entry.span_id, entry.parent_id, entry.start_ns,
-                              time_ns(), req_id, (loader,), None, (), ()))
-        if saves_async:
-            self._finished_async[req_id] = entry
-        if not self._requests:  # an idle engine schedules no step that would ship these
+        if entry is not None:
+            self._records.append((self._request_template, entry.trace_id, entry.span_id, entry.parent_id,
+                                  entry.start_ns, time_ns(), req_id, (loader,), None, (), ()))
+            if saves_async:
+                self._finished_async[req_id] = entry
+        if not self._requests:  # an idle engine schedules no step that would ship what is kept
             self.flush()
 
     def step_requests(
