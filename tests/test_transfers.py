@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
@@ -132,6 +133,28 @@ def test_a_failed_load_is_a_failed_transfer(vllm_config_with: Callable, exporter
     failed = next(span for span in transfers if span.attributes[attr.TRANSFER_OUTCOME] == "failed")
     assert failed.attributes[attr.ERROR_TYPE] == "kvcompose.testing.recording.ScriptedFailure"  # the cause
     assert worker.request_state_sizes() == {}
+
+
+@pytest.mark.parametrize("later_step", [
+    {"raises": ["get_transfer_results"]},  # it gives up what it owes by raising
+    {"raises": ["start_load_kv"], "finished_recving": [[], ["r1"]], "failed_recving": [[], ["r1"]]},  # raises, reports
+])
+def test_an_async_load_whose_child_fails_in_a_later_step_carries_the_error_type(
+    vllm_config_with: Callable, exporter: Any, later_step: dict[str, Any]
+) -> None:
+    """The load is open across steps; the child fails in a step that starts nothing new. The span names the
+    exception it raised, not the type of a failure reported without raising."""
+    cold = {"matches": {"r1": [[32, True]]}}
+    scheduler, worker = _pair(vllm_config_with, {"hot": {}, "cold": cold})
+    request = make_request("r1", TRACEPARENT)
+    _admit(scheduler, request)
+    _step(scheduler, worker, new=[request])
+    worker.children[1].connector.script.update(later_step)  # what the child does from the next step on
+    _step(scheduler, worker)
+
+    (load,) = [span for span in _transfers(exporter) if span.attributes[attr.TRANSFER_DIRECTION] == "load"]
+    assert _described(load) == ("cold", "load", "failed")
+    assert load.attributes[attr.ERROR_TYPE] == "kvcompose.testing.recording.ScriptedFailure"
 
 
 def test_each_kind_of_child_is_tracked_by_how_it_reports_completion() -> None:

@@ -146,8 +146,8 @@ class Instrumentation:
                 tracker = self._tracker()
                 try:
                     results = call(finished_req_ids)
-                except Exception:
-                    tracker.results(index, None, finished_req_ids)  # it gives up what it owes
+                except Exception as error:
+                    tracker.child_raised(index, error)  # it gives up what it owes
                     raise
                 if results.finished_sending or results.finished_recving or (finished_req_ids and tracker.open):
                     tracker.results(index, results, finished_req_ids)

@@ -32,6 +32,7 @@ from time import time_ns
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvcompose.logs import get_logger
+from kvcompose.tracing.pipeline import qualified_name
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -142,10 +143,12 @@ class TransferTracker:
 
     def begin_step(self, metadata: KVComposeMetadata) -> None:
         """Open the transfers the step's metadata issues."""
-        if not (metadata.loads or metadata.saves or metadata.async_saves or self._job_children):
-            self._failures_at_bind = []  # a step that moves nothing of ours: no transfer starts
+        starts = metadata.loads or metadata.saves or metadata.async_saves or self._job_children
+        # Whether a child failed in this step (its transfers then end failed, with the error it raised) is
+        # read against these counts; open transfers need them too, in a step that starts nothing.
+        self._failures_at_bind = [guard.failures for guard in self._guards] if starts or self._open else []
+        if not starts:
             return
-        self._failures_at_bind = [guard.failures for guard in self._guards]
         self._bound_at = time_ns()  # every transfer the step opens starts now
         self._contexts = self._tracer.step_contexts()
         for req_id, plan in (metadata.loads or {}).items():
@@ -220,11 +223,13 @@ class TransferTracker:
 
     # ---- completions reported by children ----
 
-    def results(self, child: int, results: KVConnectorTransferResults | None, finished_req_ids: set[str]) -> None:
-        """One child's transfer results (None: the child failed and gave up what it owed)."""
-        if results is None:
-            self._end_all_of(child, "failed")
-            return
+    def child_raised(self, child: int, error: Exception) -> None:
+        """The child raised instead of reporting its transfer results: every transfer it owes failed, with
+        that error (its guard counts the failure only after this)."""
+        self._end_all_of(child, "failed", qualified_name(type(error)))
+
+    def results(self, child: int, results: KVConnectorTransferResults, finished_req_ids: set[str]) -> None:
+        """One child's transfer results."""
         end = time_ns()
         for req_id in results.finished_sending:
             if (transfer := self._open.pop((child, req_id, "save"), None)) is not None:
@@ -279,19 +284,20 @@ class TransferTracker:
         context = self._contexts.get(req_id) if self._contexts else None  # traced requests of the step
         return _Transfer(child, direction, req_id, blocks, self._bound_at, context)
 
-    def _end(self, transfer: _Transfer, end_ns: int, outcome: Literal["ok", "failed", "aborted"]) -> None:
+    def _end(
+        self, transfer: _Transfer, end_ns: int, outcome: Literal["ok", "failed", "aborted"], error_type: str = "",
+    ) -> None:
         nbytes = transfer.blocks * self._block_bytes
         seconds = (end_ns - transfer.start_ns) / 1e9 if end_ns > transfer.start_ns else 0.0
         context = transfer.context
         self._recorder.ended(transfer.child, transfer.direction, seconds, nbytes, outcome,
                              None if context is None else format(context.trace_id, "032x"))
         if context is not None:
-            error_type = None
-            if outcome == "failed":
+            if outcome == "failed" and not error_type:
                 error_type = (self._guards[transfer.child].last_error_type if self._failed_this_step(transfer.child)
                               else FAILED_TRANSFER)
             self._tracer.transfer(context, self._specs[transfer.child], transfer.req_id, transfer.direction,
-                                  transfer.start_ns, end_ns, transfer.blocks, nbytes, outcome, error_type)
+                                  transfer.start_ns, end_ns, transfer.blocks, nbytes, outcome, error_type or None)
 
     def _failed_children(self) -> list[bool]:
         """Per child: did it fail in this step (see :meth:`_failed_this_step`)?"""
@@ -300,10 +306,10 @@ class TransferTracker:
     def _failed_this_step(self, child: int) -> bool:
         return bool(self._failures_at_bind) and self._guards[child].failures != self._failures_at_bind[child]
 
-    def _end_all_of(self, child: int, outcome: Literal["ok", "failed", "aborted"]) -> None:
+    def _end_all_of(self, child: int, outcome: Literal["ok", "failed", "aborted"], error_type: str = "") -> None:
         end = time_ns()
         for key in [key for key in self._open if key[0] == child]:
-            self._end(self._open.pop(key), end, outcome)
+            self._end(self._open.pop(key), end, outcome, error_type)
 
     def _expire(self) -> None:
         now = time_ns()
