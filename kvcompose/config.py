@@ -139,8 +139,8 @@ class MetricsSection(_Section):
     )
     sample_every: Annotated[int, Field(ge=1)] = Field(
         32,
-        description="Time one call in this many of each operation (and every call after the engine was idle); "
-        "every call is counted either way. 1 times every call.",
+        description="Time one call in this many of each operation (and an operation's next call after an idle "
+        "second); every call is counted either way. 1 times every call.",
     )
     latency_buckets: tuple[float, ...] = Field(
         DEFAULT_LATENCY_BUCKETS, description="Upper bounds (seconds) of the latency histogram buckets."

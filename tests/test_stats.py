@@ -142,10 +142,10 @@ def test_stats_of_another_kvcompose_version_are_refused_with_a_reason() -> None:
 
 def test_buckets_follow_prometheus_le() -> None:
     cells: dict[int, list[Any]] = {}
-    fold_timed_calls([(0, seconds) for seconds in (0.0005, 0.001, 0.002, 0.1, 5.0)], BOUNDS, cells)
+    fold_timed_calls([(0, seconds) for seconds in (0.0005, 0.001, 0.002, 0.1, 5.0)], BOUNDS, cells, ())
     assert {cell: count for cell, (count, _) in cells.items()} == {0: 2, 1: 1, 2: 1, 3: 1}
     assert [cells[cell][1] for cell in range(4)] == pytest.approx([0.0015, 0.002, 0.1, 5.0])
-    fold_timed_calls([(1, 0.05)], BOUNDS, cells)  # the next slot's cells follow
+    fold_timed_calls([(1, 0.05)], BOUNDS, cells, ())  # the next slot's cells follow
     assert cells[len(BOUNDS) + 1 + 2] == [1, 0.05]
 
 

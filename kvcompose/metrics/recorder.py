@@ -335,20 +335,19 @@ class PipelineRecorder:
 
 
 def fold_timed_calls(
-    entries: Iterable[tuple[Any, ...]], bounds: Sequence[float], into: Cells,
-    samplers: Sequence[OperationSampler] = (),
+    entries: Iterable[tuple[Any, ...]], bounds: Sequence[float], into: Cells, samplers: Sequence[OperationSampler],
 ) -> None:
     """Add each timed call (slot, seconds) to the cell of its slot and bucket, as many times as the weight of
     the sampled call it belongs to: the latest (-1, weight, sampler index) before it (weight 1 before any).
     Bucket ``i`` holds ``bounds[i-1] < v <= bounds[i]`` (Prometheus' ``le``), the last one the rest. Each
     sampled call's timed calls become its sampler's ``last_call``."""
     buckets = len(bounds) + 1
-    weight, last_call = 1, None
+    weight, last_call = 1, None  # before any sampled call: weight 1, and no sampler keeps the calls
     for entry in entries:
         slot = entry[0]
         if slot < 0:  # a sampled call begins
             weight = entry[1]
-            last_call = samplers[entry[2]].last_call = [] if samplers else None
+            last_call = samplers[entry[2]].last_call = []
             continue
         latency = entry[1]
         cell = slot * buckets + bisect_left(bounds, latency)

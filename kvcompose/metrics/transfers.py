@@ -165,7 +165,8 @@ class TransferRecorder:
     """This process's transfers since the last :meth:`take`; records nothing when metrics are off.
 
     ``started`` and ``ended`` append one entry each (atomic, so any thread may call them: a child may report
-    a transfer done from its own); :meth:`take` folds them into a :class:`TransferTable`, holding a lock.
+    a transfer done from its own); :meth:`take` copies them out under a lock and folds them into a
+    :class:`TransferTable`.
     """
 
     def __init__(self, enabled: bool, child_names: Sequence[str], bounds: Sequence[float]) -> None:
@@ -220,4 +221,4 @@ class TransferRecorder:
                 table.failures[failure] += 1
             if exemplar is not None:
                 table.exemplars[cell] = exemplar
-        return None if table.is_empty() else table  # transfers that started and ended cancel out in flight
+        return table  # not empty: every event left a cell or a transfer in flight
