@@ -7,6 +7,7 @@ identical return values and identical per-child call logs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,8 @@ def _normalize(value: Any) -> Any:
         return ("worker_meta", tuple(_normalize(m) for m in value.metadata))
     if isinstance(value, recording.RecordingWorkerMetadata):
         return ("count", value.count)
+    if isinstance(value, contextlib.nullcontext):  # a recording child's memory pool
+        return "mem_pool"
     if isinstance(value, tuple):
         return tuple(_normalize(v) for v in value)
     return value
@@ -240,6 +243,22 @@ def test_reset_cache_and_shutdown_reraise(vllm_config_with: Callable) -> None:
 
     out = assert_same_as_multiconnector(scripts, scenario, vllm_config_with)
     assert out == [False, ("raised", "RuntimeError")]
+
+
+@pytest.mark.parametrize(("pools", "expected"), [
+    ((False, False), None),
+    ((False, True), "mem_pool"),  # the one child's pool
+    ((True, True), ("raised", "ValueError")),  # the KV cache lives in one pool
+])
+def test_at_most_one_child_provides_the_memory_pool(
+    vllm_config_with: Callable, pools: tuple[bool, bool], expected: Any,
+) -> None:
+    scripts = {name: {"mem_pool": pool} for name, pool in zip(("a", "b"), pools, strict=True)}
+
+    def scenario(side: Side) -> list[Any]:
+        return [_call(side.worker.get_mem_pool_context)]
+
+    assert assert_same_as_multiconnector(scripts, scenario, vllm_config_with) == [expected]
 
 
 def test_longest_match_prefers_more_tokens_ties_to_order(vllm_config_with: Callable) -> None:

@@ -82,6 +82,9 @@ _HIT_SOURCES, _NEW_REQUEST, _BUILD_META = _OPS["get_external_cache_hit_sources"]
     "build_connector_meta"]
 _OUTPUT, _FREES, _PUSH, _RESET = _OPS["update_connector_output"], _OPS["has_pending_block_frees"], _OPS[
     "has_pending_push_work"], _OPS["reset_cache"]
+# Never isolated: every child is asked, then the last failure raised.
+_MEM_POOL, _SHUTDOWN = _OPS["get_mem_pool_context"], _OPS["shutdown"]
+_UNREGISTER, _RESTORE = _OPS["unregister_kv_caches"], _OPS["restore_kv_caches"]
 _NO_MATCH = (0, False)
 
 if TYPE_CHECKING:
@@ -209,7 +212,8 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
         """At most one child may own the KV cache memory pool."""
-        pools = [(c.name, ctx) for c in self.children if (ctx := c.connector.get_mem_pool_context()) is not None]
+        pools = [(self._child_calls.owner(_MEM_POOL, get_pool).name, pool)
+                 for get_pool in self._calls.get_mem_pool_context if (pool := get_pool()) is not None]
         if len(pools) > 1:
             raise ValueError(
                 f"kvcompose: children {[name for name, _ in pools]} each provide a KV cache memory pool; "
@@ -571,20 +575,19 @@ class KVComposeConnector(KVConnectorBase_V1):
             except Exception as error:
                 logger.error("instrumentation failed to close", error_type=type(error).__name__)
                 failure = error
-        self._call_every_child("shutdown", failure=failure)
+        self._call_every_child(_SHUTDOWN, self._calls.shutdown, failure=failure)
 
-    def _call_every_child(self, operation: str, failure: Exception | None = None) -> None:
-        """Call ``operation`` on every child that has it, even after one fails; then
-        re-raise the last failure (``failure``: one that happened before). A child's class
-        from before vLLM added the operation has none: the base class's default did nothing."""
-        for child in self.children:
-            call = getattr(child.connector, operation, None)
-            if call is None:
-                continue
+    def _call_every_child(
+        self, operation: Operation, calls: tuple[Callable[[], Any], ...], failure: Exception | None = None,
+    ) -> None:
+        """Make every call, even after one fails; then re-raise the last failure (``failure``: one that
+        happened before). A child's class from before vLLM added the operation has no call in ``calls``."""
+        for call in calls:
             try:
                 call()
             except Exception as error:
-                logger.error("child call failed", connector=child.name, op=operation, error_type=type(error).__name__)
+                name = self._child_calls.owner(operation, call).name
+                logger.error("child call failed", connector=name, op=operation.name, error_type=type(error).__name__)
                 failure = error
         if failure is not None:
             raise failure
@@ -604,11 +607,11 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def unregister_kv_caches(self) -> None:
         """Before sleep: every child drops its KV cache registrations (each is asked even if one fails)."""
-        self._call_every_child("unregister_kv_caches")
+        self._call_every_child(_UNREGISTER, self._calls.unregister_kv_caches)
 
     def restore_kv_caches(self) -> None:
         """After wake-up: every child registers again (each is asked even if one fails)."""
-        self._call_every_child("restore_kv_caches")
+        self._call_every_child(_RESTORE, self._calls.restore_kv_caches)
 
     # ==============================
     # Class-level hooks (no instance; read the pipeline from the config)

@@ -11,6 +11,8 @@ Its ``kv_connector_extra_config`` holds ``log`` (the key of its call log in
   request-id lists, one per ``get_transfer_results`` call
 - ``load_errors``: block ids reported by ``get_block_ids_with_load_errors``
 - ``handshake``: a value for ``get_handshake_metadata`` (None by default)
+- ``mem_pool``: ``get_mem_pool_context`` returns a (do-nothing) context, as a child owning the KV cache
+  memory pool does
 - ``worker_meta``: send worker metadata from ``build_connector_worker_meta``
 - ``fail_shutdown``: raise from ``shutdown``
 - ``raises``: method names that raise :class:`ScriptedFailure` (after being logged)
@@ -26,6 +28,7 @@ Its ``kv_connector_extra_config`` holds ``log`` (the key of its call log in
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
@@ -220,6 +223,10 @@ class RecordingConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._record("get_block_ids_with_load_errors")
         return set(self.script.get("load_errors", []))
+
+    def get_mem_pool_context(self) -> contextlib.AbstractContextManager | None:
+        self._record("get_mem_pool_context")
+        return contextlib.nullcontext() if self.script.get("mem_pool") else None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         self._record("get_handshake_metadata")
