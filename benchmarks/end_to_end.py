@@ -198,7 +198,8 @@ def summarize(rounds: list[dict[str, dict[str, float]]], stopped: dict[str, dict
             per_round = {key: [measured[subject][key] / measured[baseline][key] for measured in rounds]
                          for key in ROUND_FIGURES}
             per_round["from_cost"] = [_from_cost(measured[subject], measured[baseline]) for measured in rounds]
-            per_round["ttft_from_cost"] = [_ttft_from_cost(measured[subject], measured[baseline]) for measured in rounds]
+            per_round["ttft_from_cost"] = [_ttft_from_cost(measured[subject], measured[baseline])
+                                           for measured in rounds]
             ratios[label] = {key: statistics.median(values) for key, values in per_round.items()}
             ratios[label]["tokens_per_s_middle_half"] = _middle_half(per_round["tokens_per_s"])
     return {"rounds": len(rounds), "medians": medians, "ratios": ratios, "per_round": rounds}

@@ -22,9 +22,9 @@ Spans are :class:`SpanRecord` tuples here (ids and clock reads, no
 OpenTelemetry objects), shipped in batches: a worker ships each step's
 records at the step's end; the scheduler ships what it kept when it schedules
 a step :data:`SHIP_EVERY_S` after its last shipment (or once
-:data:`SHIP_AT` records wait), and when no request is left. The instrumentation (kvcompose.connectors.instrumentation) routes
-only the calls of sampled requests and their steps through the traced calls
-this tracer makes (:meth:`PipelineTracer.traced`): a request that is not
+:data:`SHIP_AT` records wait), and when no request is left. The
+instrumentation (kvcompose.connectors.instrumentation) routes only the calls
+of sampled requests and their steps through the traced calls this tracer makes (:meth:`PipelineTracer.traced`): a request that is not
 sampled costs one dict look-up per call of the composite.
 """
 
