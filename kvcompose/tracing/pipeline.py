@@ -24,8 +24,9 @@ records at the step's end; the scheduler ships what it kept when it schedules
 a step :data:`SHIP_EVERY_S` after its last shipment (or once
 :data:`SHIP_AT` records wait), and when no request is left. The
 instrumentation (kvcompose.connectors.instrumentation) routes only the calls
-of sampled requests and their steps through the traced calls this tracer makes (:meth:`PipelineTracer.traced`): a request that is not
-sampled costs one dict look-up per call of the composite.
+of sampled requests and their steps through the traced calls this tracer
+makes (:meth:`PipelineTracer.traced`): a request that is not sampled costs
+one dict look-up per call of the composite.
 """
 
 from __future__ import annotations
