@@ -4,9 +4,10 @@ By default each engine process that traces starts one exporter process
 (:mod:`kvcompose.tracing.export_process`) per tracing section and appends its
 records to a shared-memory :class:`~kvcompose.tracing.ring.Ring` that the
 exporter polls: a batch (a worker's step, or the scheduler's records of the
-last 0.1 s) costs a ``marshal`` and a copy, no system call. When the ring is full (the exporter is behind, or gone) the batch is
-dropped and counted. :func:`set_span_exporter` replaces that, for the whole
-process, with an exporter called in-process (tests, embedders).
+last 0.1 s) costs a ``marshal`` and a copy, no system call. When the ring is
+full (the exporter is behind, or gone) the batch is dropped and counted.
+:func:`set_span_exporter` replaces that, for the whole process, with an
+exporter called in-process (tests, embedders).
 """
 
 from __future__ import annotations
