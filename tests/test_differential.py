@@ -29,7 +29,8 @@ class Side:
     worker: Any
 
 
-def _build(kind: str, scripts: dict[str, dict[str, Any]], vllm_config_with: Callable, policy: str) -> Side:
+def _build(kind: str, scripts: dict[str, dict[str, Any]], vllm_config_with: Callable, policy: str,
+           metrics: bool = True) -> Side:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
@@ -54,7 +55,7 @@ def _build(kind: str, scripts: dict[str, dict[str, Any]], vllm_config_with: Call
             )
             sides[role] = MultiConnector(config, role, None)
         else:
-            pipeline = {"version": 1, "name": "diff", "load": {"policy": policy},
+            pipeline = {"version": 1, "name": "diff", "load": {"policy": policy}, "metrics": {"enabled": metrics},
                         "children": [{"name": name, **RECORDING, "config": extra(name)} for name in scripts]}
             config = vllm_config_with(
                 {"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
@@ -107,11 +108,13 @@ def _logs(kind: str, names: list[str]) -> dict[str, list[tuple[Any, ...]]]:
 def assert_same_as_multiconnector(
     scripts: dict[str, dict[str, Any]], scenario: Callable[[Side], list[Any]], vllm_config_with: Callable
 ) -> list[Any]:
+    """Both with metrics on and with metrics (and tracing) off: the composite's lookup differs between them."""
     multi = _run(scenario, _build("multi", scripts, vllm_config_with, "first_match"))
-    compose = _run(scenario, _build("compose", scripts, vllm_config_with, "first_match"))
-    assert compose == multi
-    assert _logs("compose", list(scripts)) == _logs("multi", list(scripts))
-    assert any(_logs("compose", list(scripts)).values()), "scenario recorded no child call"
+    for metrics in (True, False):
+        compose = _run(scenario, _build("compose", scripts, vllm_config_with, "first_match", metrics))
+        assert compose == multi, f"metrics {'on' if metrics else 'off'}"
+        assert _logs("compose", list(scripts)) == _logs("multi", list(scripts)), f"metrics {'on' if metrics else 'off'}"
+        assert any(_logs("compose", list(scripts)).values()), "scenario recorded no child call"
     return compose
 
 
@@ -168,6 +171,38 @@ def test_none_answer_means_still_looking(vllm_config_with: Callable) -> None:
 
     out = assert_same_as_multiconnector(scripts, scenario, vllm_config_with)
     assert out == [(None, False), (16, False)]
+
+
+def test_a_lookup_that_misses_after_one_that_matched_loads_nothing(vllm_config_with: Callable) -> None:
+    """The first lookup's loader is not the one of a later lookup that found no tokens."""
+    scripts = {
+        "a": {"matches": {"r1": [[16, True], [0, False]]}},
+        "b": {"matches": {"r1": [[0, False]]}},
+    }
+
+    def scenario(side: Side) -> list[Any]:
+        r1 = _request("r1")
+        out = [side.scheduler.get_num_new_matched_tokens(r1, 0), side.scheduler.get_num_new_matched_tokens(r1, 0)]
+        side.scheduler.update_state_after_alloc(r1, _blocks(1, 2), 0)
+        out += _step(side, set())
+        out.append(side.scheduler.request_finished(r1, [1, 2]))
+        return out
+
+    out = assert_same_as_multiconnector(scripts, scenario, vllm_config_with)
+    assert out[:2] == [(16, True), (0, False)]
+
+
+def test_with_metrics_off_a_lookup_keeps_what_multiconnector_keeps(vllm_config_with: Callable) -> None:
+    """Only the chosen loader of a lookup that matched (MultiConnector keeps its index); nothing for a miss."""
+    scripts = {"a": {"matches": {"r1": [[0, False], [16, False]]}}, "b": {"matches": {"r1": [[0, False]]}}}
+    side = _build("compose", scripts, vllm_config_with, "first_match", metrics=False)
+    r1 = _request("r1")
+    assert side.scheduler.get_num_new_matched_tokens(r1, 0) == (0, False)
+    assert side.scheduler.request_state_sizes() == {}
+    assert side.scheduler.get_num_new_matched_tokens(r1, 0) == (16, False)
+    assert side.scheduler.request_state_sizes() == {"lookup_rounds": 1}
+    side.scheduler.request_finished(r1, [])
+    assert side.scheduler.request_state_sizes() == {}
 
 
 def test_several_async_savers_finish_once(vllm_config_with: Callable) -> None:

@@ -125,8 +125,11 @@ class KVComposeConnector(KVConnectorBase_V1):
         # The children's indices, in the order they answer lookups.
         self._loaders = tuple(child.index for child in self.children if child.load)
         policy = self.pipeline.load.policy
-        # first_match, MultiConnector's rule, is chosen as the loaders answer (no call on every lookup).
+        # first_match, MultiConnector's rule, is chosen as the loaders answer (no call on every lookup) and
+        # keeps the chosen answer only; another policy, or metrics (they count every answer), keep them all.
         self._choose_loader = None if policy == "first_match" else POLICIES[policy]
+        if self._choose_loader is not None or self.pipeline.metrics.enabled:
+            self.get_num_new_matched_tokens = self._lookup_keeping_every_answer  # type: ignore[method-assign]
         self._check_hma(vllm_config)
         hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         shape = PipelineShape.of(self.pipeline.name, (c.spec for c in self.children), hma_enabled)
@@ -391,10 +394,13 @@ class KVComposeConnector(KVConnectorBase_V1):
             bind(gpu_block_pool)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """MultiConnector's rule: every loader is asked, in pipeline order, so each sees the request's lookup;
+        the first with tokens loads. Only that answer is kept. (Another load policy, or metrics, which count
+        every loader's answer, use :meth:`_lookup_keeping_every_answer` instead: see ``__init__``.)"""
         if request.kv_transfer_params:  # a remote prefill's: check the pair's pipelines match
             self._pairing.check(request.kv_transfer_params)
-        answers = []  # every loader is asked, as MultiConnector does, so each sees the request's lookup
-        first = None  # position of the first answer with tokens: MultiConnector's rule (first_match)
+        chosen = None  # position of the first answer with tokens
+        position = 0
         for lookup in self._calls.get_num_new_matched_tokens:
             try:
                 answer = lookup(request, num_computed_tokens)
@@ -402,12 +408,34 @@ class KVComposeConnector(KVConnectorBase_V1):
                 answer = self._answer(_LOOKUP, lookup, error)
             if (tokens := answer[0]) is None:  # still looking: the whole answer is "ask again later"
                 return None, False
+            if chosen is None and tokens > 0:
+                chosen, matched = position, answer
+            position += 1
+        if chosen is None:
+            return _NO_MATCH
+        self._lookup_rounds[request.request_id] = (chosen, matched, num_computed_tokens, None)
+        return matched
+
+    def _lookup_keeping_every_answer(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """:meth:`get_num_new_matched_tokens`, keeping every loader's answer for the load policy and the metrics."""
+        if request.kv_transfer_params:
+            self._pairing.check(request.kv_transfer_params)
+        answers = []
+        first = None  # position of the first answer with tokens: first_match, chosen as the loaders answer
+        for lookup in self._calls.get_num_new_matched_tokens:
+            try:
+                answer = lookup(request, num_computed_tokens)
+            except Exception as error:
+                answer = self._answer(_LOOKUP, lookup, error)
+            if (tokens := answer[0]) is None:
+                return None, False
             if first is None and tokens > 0:
                 first = len(answers)
             answers.append(answer)
         chosen = first if self._choose_loader is None else self._choose_loader(answers)
-        self._lookup_rounds[request.request_id] = (answers, chosen, num_computed_tokens)
-        return _NO_MATCH if chosen is None else answers[chosen]
+        matched = _NO_MATCH if chosen is None else answers[chosen]
+        self._lookup_rounds[request.request_id] = (chosen, matched, num_computed_tokens, answers)
+        return matched
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         loader = self._scheduler_ledger.loader_of(request.request_id)

@@ -116,6 +116,7 @@ class Instrumentation:
         self._calls: ChildCalls | None = None
         self._ledger: SchedulerLedger | None = None
         self._forwards: dict[str, Callable[..., Any]] = {}  # method -> the composite's own, bound
+        self._chosen_forwards: set[str] = set()  # ... those the composite chose on its instance
         self._untraced_step: dict[str, Callable[..., Any]] = {}  # worker: method -> what a step calls
         self._traced_step: dict[str, Callable[..., Any]] = {}  # ... a step that moves a sampled request's KV
         self._traced_differs: list[str] = []  # worker: methods whose traced step's call differs
@@ -203,15 +204,19 @@ class Instrumentation:
             self._attach_worker()
 
     def _forwarded_here(self) -> Iterator[tuple[str, Operation, Callable[..., Any]]]:
-        """(name, declaration, the composite's own bound method) of each forwarded operation of this side."""
+        """(name, declaration, the composite's own bound method) of each forwarded operation of this side:
+        its class's, or the one it chose for this pipeline (an instance attribute, set before attaching)."""
+        composite = self._composite
         for name, operation in OPERATIONS.items():
             if operation.forwarded and operation.side in (self._side, Side.BOTH):
-                forward = self._forwards[name] = getattr(type(self._composite), name).__get__(self._composite)
+                if name in vars(composite):
+                    self._chosen_forwards.add(name)
+                forward = self._forwards[name] = getattr(composite, name)
                 yield name, operation, forward
 
     def _install(self, name: str, call: Callable[..., Any]) -> None:
         """vLLM's calls of the composite's method ``name`` go to ``call`` from now on."""
-        if call is self._forwards.get(name):
+        if call is self._forwards.get(name) and name not in self._chosen_forwards:
             vars(self._composite).pop(name, None)  # the class's own method
         else:
             setattr(self._composite, name, call)
@@ -281,7 +286,9 @@ class Instrumentation:
             req_id = request.request_id
             admitted.add(req_id)
             if recorder.enabled and (looked_up := ledger.rounds.get(req_id)) is not None:
-                recorder.request_admitted(request, looked_up[0], ledger.loaders, ledger.planned_loader(req_id),
+                answers = looked_up[3]
+                assert answers is not None, "with metrics on, the composite keeps every answer of a lookup"
+                recorder.request_admitted(request, answers, ledger.loaders, ledger.planned_loader(req_id),
                                           num_external_tokens)
 
         return update_state_after_alloc

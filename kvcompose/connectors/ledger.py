@@ -24,10 +24,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
 
-# The loaders' answers to a request's latest lookup round (pipeline order of the loaders), the position of
-# the answer chosen (None: no loader loads it) and the tokens vLLM had computed locally when it asked.
-# A plain tuple, made on every lookup.
-LookupRound = tuple[list[tuple[int, bool]], "int | None", int]
+# A request's latest lookup round: the position (among the loaders) of the answer chosen (None: no loader
+# loads it), that answer, the tokens vLLM had computed locally when it asked, and every loader's answer in
+# pipeline order where they are kept (else None). A plain tuple, made on a lookup.
+LookupRound = tuple["int | None", tuple[int, bool], int, "list[tuple[int, bool]] | None"]
 
 
 def external_block_ids(blocks: KVCacheBlocks, local_tokens: int, external_tokens: int, block_size: int) -> tuple[int, ...]:
@@ -42,7 +42,10 @@ class SchedulerLedger:
         self._block_size = block_size
         self.loaders = tuple(loaders)  # the loaders' child indices, in the order they answer lookups
         # Request id -> its latest lookup round; written by the composite as it looks up, read by the
-        # instrumentation when the request is admitted (hits and misses are counted then).
+        # instrumentation when the request is admitted (hits and misses are counted then). Where no answer
+        # is kept (MultiConnector's rule, metrics off) only a round that chose a loader is written, as
+        # MultiConnector records only the loader: an older round can then outlive a later miss, harmlessly,
+        # since vLLM asks who loads a request only after a lookup that matched.
         self.rounds: dict[str, LookupRound] = {}
         # Until the next step's metadata: loads planned or cancelled, async savers of finished requests.
         self._planned: dict[str, LoadPlan] = {}
@@ -52,9 +55,9 @@ class SchedulerLedger:
     def loader_of(self, req_id: str) -> int | None:
         """The index of the child chosen to load the request, if one was."""
         looked_up = self.rounds.get(req_id)
-        if looked_up is None or looked_up[1] is None:
+        if looked_up is None or looked_up[0] is None:
             return None
-        return self.loaders[looked_up[1]]
+        return self.loaders[looked_up[0]]
 
     def planned_loader(self, req_id: str) -> int | None:
         """The index of the child whose load of the request is planned for the next step (it accepted it)."""
@@ -63,10 +66,10 @@ class SchedulerLedger:
 
     def plan_load(self, req_id: str, blocks: KVCacheBlocks, external_tokens: int, accepted: bool) -> None:
         """Record the load the chosen child accepted (or failed to accept) for the workers."""
-        answers, chosen, local_tokens = self.rounds[req_id]
+        chosen, (_, load_async), local_tokens, _ = self.rounds[req_id]
         assert chosen is not None, "a load is planned only for a request a loader was chosen for"
         block_ids = external_block_ids(blocks, local_tokens, external_tokens, self._block_size)
-        plan = LoadPlan(self.loaders[chosen], block_ids, answers[chosen][1])
+        plan = LoadPlan(self.loaders[chosen], block_ids, load_async)
         (self._planned if accepted else self._cancelled)[req_id] = plan
 
     def cancel_loads_of(self, child: int) -> None:
