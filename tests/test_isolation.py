@@ -22,14 +22,16 @@ from kvcompose.testing.steps import forward_step
 from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
 
 
-def _pair(vllm_config_with: Callable, scripts: dict[str, dict[str, Any]], **hot: Any) -> tuple[Any, Any]:
+def _pair(vllm_config_with: Callable, scripts: dict[str, dict[str, Any]], metrics: bool = True,
+          **hot: Any) -> tuple[Any, Any]:
     children = []
     for name, script in scripts.items():
         key = f"isolation/{name}"
         recording.CALL_LOGS.pop(key, None)
         children.append({"name": name, **RECORDING, "config": {"log": key, "script": script},
                          **(hot if name == "hot" else {})})
-    return composite_pair(vllm_config_with, {"version": 1, "name": "iso", "children": children})
+    return composite_pair(vllm_config_with, {"version": 1, "name": "iso", "metrics": {"enabled": metrics},
+                                             "children": children})
 
 
 def _calls(name: str, method: str) -> int:
@@ -57,6 +59,19 @@ def test_failed_lookup_is_a_miss_and_the_next_child_answers(vllm_config_with: Ca
     stats = scheduler.get_kv_connector_stats()
     assert stats.calls.errors == {"hot": {"lookup": {"ScriptedFailure": 1}}}
     assert stats.calls.counter("cold", "lookup_hits") == 1
+
+
+def test_with_metrics_off_a_failed_lookup_is_a_miss_and_the_next_child_loads(vllm_config_with: Callable) -> None:
+    """Metrics off, the composite's lookup keeps only the chosen answer: the load still goes to that child."""
+    scheduler, worker = _pair(vllm_config_with, {"hot": {"raises": ["get_num_new_matched_tokens"]},
+                                                 "cold": {"matches": {"r1": [[32, False]]}}}, metrics=False)
+    request = make_request("r1")
+    assert _hit(scheduler, request) == (32, False)
+    allocations = [entry for entry in recording.CALL_LOGS["isolation/cold"] if entry[0] == "update_state_after_alloc"]
+    assert allocations[-1][-1] == 32  # the cold child loads the 32 tokens
+    assert _step(scheduler, worker, new=[request])["load_errors"] == set()
+    scheduler.request_finished(request, [1, 2, 3])
+    assert scheduler.request_state_sizes() == {}
 
 
 def test_failed_saves_do_not_stop_the_other_child(vllm_config_with: Callable) -> None:
