@@ -17,10 +17,10 @@ A call made from inside another timed call (``get_finished`` asks
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import MethodType
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import multi_connector as vllm_multi_connector
@@ -45,10 +45,11 @@ class Stopwatch:
         self.seconds = 0.0
         self.by_call = {}
 
-    def time(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        name = call.__name__
+    def time(self, call: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
+        """``call`` on this stopwatch, its time counted under ``name`` (by default the call's own name). Cheap to
+        make (no ``functools.wraps``): kvcompose sets callables on its instance inside timed calls, every step."""
+        name = name or call.__name__
 
-        @functools.wraps(call)
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self.running:
                 return call(*args, **kwargs)
@@ -62,6 +63,8 @@ class Stopwatch:
                 self.by_call[name] = self.by_call.get(name, 0.0) + seconds
                 self.running = False
 
+        timed.__wrapped__ = call  # type: ignore[attr-defined]  # its signature is the call's (kvcompose reads it)
+        timed.stopwatch = self  # type: ignore[attr-defined]
         return timed
 
 
@@ -107,7 +110,13 @@ def _cpu_s(process: Any) -> float:
 
 def timed_connector_class(base: type[KVConnectorBase_V1]) -> type[KVConnectorBase_V1]:
     """A same-named subclass of ``base`` whose every connector operation, and its Prometheus update, runs on the
-    stopwatch."""
+    stopwatch.
+
+    Operations are timed where vLLM finds them: the class's methods, and any callable the connector sets on
+    its instance under an operation's name (kvcompose's instrumentation installs its metrics, tracing and
+    transfer tracking that way, around the class's methods), so the time counted is all the connector's."""
+    timed_operations = frozenset(operation for operation in CONNECTOR_OPERATIONS
+                                 if operation != "shutdown" and hasattr(base, operation))
 
     def build_prom_metrics(cls: type, *args: Any, **kwargs: Any) -> Any:
         metrics = base.build_prom_metrics.__func__(cls, *args, **kwargs)  # type: ignore[attr-defined]
@@ -115,12 +124,16 @@ def timed_connector_class(base: type[KVConnectorBase_V1]) -> type[KVConnectorBas
             metrics.observe = FRONT_END.time(metrics.observe)
         return metrics
 
-    namespace: dict[str, Any] = {
-        operation: ENGINE.time(getattr(base, operation))
-        for operation in CONNECTOR_OPERATIONS
-        if operation != "shutdown" and hasattr(base, operation)
-    }
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        if isinstance(value, MethodType) and name in timed_operations:  # still a bound method (kvcompose reads it)
+            value = MethodType(ENGINE.time(value.__func__, name), value.__self__)
+        elif callable(value) and name in timed_operations:
+            value = ENGINE.time(value, name)
+        base.__setattr__(self, name, value)
+
+    namespace: dict[str, Any] = {operation: ENGINE.time(getattr(base, operation)) for operation in timed_operations}
     namespace["build_prom_metrics"] = classmethod(build_prom_metrics)
+    namespace["__setattr__"] = __setattr__
     return type(base.__name__, (base,), namespace)
 
 

@@ -203,3 +203,33 @@ def test_transfer_cost_compares_a_tracked_composite_with_the_same_one_untracked(
     assert set(result["us_per_transfer"]) == {"tracing_off", "tracing_on"}
     assert all(math.isfinite(value) for value in result["us_per_transfer"].values())
     assert len(targets.transfer_cost_checks(result)) == 1
+
+
+def test_the_stopwatch_times_every_call_vllm_makes_into_kvcompose_instrumentation_included() -> None:
+    """kvcompose's instrumentation installs its wrappers on the instance, over the class's methods: the
+    end-to-end benchmark's stopwatch must time those, or "from cost" leaves out what metrics and tracing cost."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from benchmarks import stopwatch
+    from benchmarks.connectors import kvcompose_vllm_config, pipeline
+    from kvcompose.operations import CONNECTOR_OPERATIONS
+    from tests.connector_support import make_blocks, make_request, scheduler_output
+
+    config = kvcompose_vllm_config(pipeline(2, tracing="step"))
+    scheduler, worker = (stopwatch.KVComposeConnector(config, role, None)
+                         for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER))
+    stopwatch.ENGINE.reset()
+    request = make_request("stopwatch")
+    tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, make_blocks(1, 2), tokens or 0)
+    worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=[request])))
+
+    installed = {name for connector in (scheduler, worker) for name in vars(connector) if name in CONNECTOR_OPERATIONS}
+    assert "get_num_new_matched_tokens" in installed and "clear_connector_metadata" in installed
+    for connector in (scheduler, worker):
+        untimed = [name for name in CONNECTOR_OPERATIONS if name != "shutdown" and hasattr(connector, name)
+                   and getattr(getattr(connector, name), "stopwatch", None) is not stopwatch.ENGINE]
+        assert untimed == []
+    assert {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+            "bind_connector_metadata"} <= set(stopwatch.ENGINE.by_call)
+    worker.clear_connector_metadata()
