@@ -23,8 +23,9 @@ of each other. Each ratio is taken within a round; the reported ratio is the
 median over rounds, with the spread of the middle half of the rounds.
 
 Throughput ratios of a few percent drown in that spread, so each round also
-measures what the connector itself costs per output token (time in its calls
-plus its span exporter's CPU; the front-end's Prometheus update is reported
+measures what the connector itself costs per output token (time in its calls,
+whatever kvcompose's instrumentation wraps around them included, plus its span
+exporter's CPU; the front-end's Prometheus update is reported
 apart, see ``benchmarks/stopwatch.py``), which varies far less. "From cost"
 is the subject's tokens/s if it differed from the baseline only by that cost:
 with the baseline's time per token ``t``, ``t / (t - baseline cost + subject
