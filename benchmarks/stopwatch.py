@@ -125,10 +125,10 @@ def timed_connector_class(base: type[KVConnectorBase_V1]) -> type[KVConnectorBas
         return metrics
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
-        if isinstance(value, MethodType) and name in timed_operations:  # still a bound method (kvcompose reads it)
-            value = MethodType(ENGINE.time(value.__func__, name), value.__self__)
-        elif callable(value) and name in timed_operations:
-            value = ENGINE.time(value, name)
+        if name in timed_operations and callable(value):
+            # A bound method stays one: kvcompose's sampler reads its __func__ and __self__.
+            value = (MethodType(ENGINE.time(value.__func__, name), value.__self__) if isinstance(value, MethodType)
+                     else ENGINE.time(value, name))
         base.__setattr__(self, name, value)
 
     namespace: dict[str, Any] = {operation: ENGINE.time(getattr(base, operation)) for operation in timed_operations}
