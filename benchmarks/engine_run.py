@@ -21,8 +21,10 @@ A round (tiny model, greedy, ``ignore_eos``):
   (all its threads: the span exporter's too);
 - what the connector cost per output token of the batch: time inside its
   calls, time in the front-end's Prometheus update for it
-  (``benchmarks/stopwatch.py``), and the CPU time of the span exporter's
-  thread since the previous round, per token generated since then.
+  (``benchmarks/stopwatch.py``), the CPU time of kvcompose's span outbox thread
+  (it ships the spans, in this process) and of the span exporter process since
+  the previous round, per token generated since then. The outbox thread's CPU
+  during the one-token prompts is reported per first token too.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.stopwatch import ENGINE, FRONT_END, exporter_cpu_s
+from benchmarks.stopwatch import ENGINE, FRONT_END, exporter_cpu_s, outbox_thread_cpu_s
 
 PROMPT_WORDS = 96
 # The median of this many per round: single prompts' times to first token vary by 5-10% on these machines,
@@ -82,8 +84,10 @@ class MeasuredEngine:
 
     def round(self) -> dict[str, Any]:
         ENGINE.reset()
+        outbox_s = outbox_thread_cpu_s()
         ttft_s = [self._generate([self._new()], 1)[0].metrics.first_token_latency for _ in range(TTFT_PROMPTS)]
         connector_us_per_first_token = 1e6 * ENGINE.seconds / TTFT_PROMPTS
+        outbox_first_s, outbox_s = outbox_thread_cpu_s() - outbox_s, outbox_thread_cpu_s()
         repeated = self._seen[-(BATCH // 2):]
         prompts = repeated + [self._new() for _ in range(BATCH - len(repeated))]
         ENGINE.reset()
@@ -94,13 +98,16 @@ class MeasuredEngine:
         tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
         exporter_now = exporter_cpu_s()
         exporter_s, self._exporter_cpu_s = exporter_now - self._exporter_cpu_s, exporter_now
+        outbox_batch_s = outbox_thread_cpu_s() - outbox_s
         return {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / elapsed_cpu,
                 "ttft_ms": 1000 * statistics.median(ttft_s),
                 "connector_us_per_first_token": connector_us_per_first_token,
+                "outbox_us_per_first_token": 1e6 * outbox_first_s / TTFT_PROMPTS,
                 "connector_us_per_token": 1e6 * ENGINE.seconds / tokens,
                 "connector_us_per_token_by_call": {call: 1e6 * seconds / tokens
                                                    for call, seconds in ENGINE.by_call.items()},
                 "front_end_us_per_token": 1e6 * FRONT_END.seconds / tokens,
+                "outbox_us_per_token": 1e6 * outbox_batch_s / tokens,
                 "exporter_us_per_token": 1e6 * exporter_s / (tokens + TTFT_PROMPTS)}
 
     def stop(self) -> dict[str, float]:

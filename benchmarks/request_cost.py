@@ -17,15 +17,18 @@ import time
 from typing import Any
 
 from benchmarks.request_life import SUBJECTS, Collector, caught_up_exporter_cpu_s, live, rotated, subjects, warm_up
+from kvcompose.tracing import force_flush
 
 CHILD_COUNTS = (2, 8)
 
 
 def _serve(connector: Any, requests: int, prefix: str) -> float:
-    """CPU seconds of this process for ``requests`` whole request lives."""
+    """CPU seconds of this process for ``requests`` whole request lives, their spans shipped (the outboxes'
+    thread would ship them within 0.1 s, maybe in another subject's turn)."""
     start = time.process_time()
     for index in range(requests):
         live(connector, f"{prefix}-{index}")
+    force_flush()
     return time.process_time() - start
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from benchmarks.request_life import SUBJECTS, Collector, live, rotated, subjects, warm_up
 from benchmarks.stopwatch import exporter_cpu_s
+from kvcompose.tracing import force_flush
 
 RATES = (100, 1000)  # requests/s
 CHILDREN = 2
@@ -43,6 +44,7 @@ def _drive(connector: Any, rate: int, seconds: float, prefix: str) -> dict[str, 
     for index in range(count):
         _sleep_until(start + index / rate)
         live(connector, f"{prefix}-{index}")
+    force_flush()  # the spans of the window's last 0.1 s, which the outboxes' thread would ship in the next one
     _sleep_until(start + count / rate)
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu

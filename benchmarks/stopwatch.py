@@ -102,10 +102,28 @@ def _cpu_s(process: Any) -> float:
     exporter's few ms per round."""
     tasks = Path(f"/proc/{process.pid}/task")
     try:
-        return sum(int((task / "schedstat").read_text().split()[0]) for task in tasks.iterdir()) / 1e9
+        return sum(_thread_cpu_s(task) for task in tasks.iterdir())
     except (OSError, ValueError, IndexError):
         times = process.cpu_times()
         return times.user + times.system
+
+
+def _thread_cpu_s(task: Path) -> float:
+    return int((task / "schedstat").read_text().split()[0]) / 1e9
+
+
+def outbox_thread_cpu_s() -> float:
+    """CPU seconds used so far by this process's span outbox thread (it ships the spans: CPU of the engine's
+    process, off the engine's thread); 0 where tracing never started one."""
+    import threading
+
+    from kvcompose.tracing.outbox import THREAD_NAME
+
+    for thread in threading.enumerate():
+        if thread.name == THREAD_NAME and thread.native_id is not None:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                return _thread_cpu_s(Path(f"/proc/self/task/{thread.native_id}"))
+    return 0.0
 
 
 def timed_connector_class(base: type[KVConnectorBase_V1]) -> type[KVConnectorBase_V1]:

@@ -73,11 +73,11 @@ def plain_llm(tiny_model: Path) -> Any:
 @pytest.fixture
 def exporter() -> Any:
     """Every pipeline's spans in this process, exported in-process to memory for the test."""
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
     from kvcompose.tracing import set_span_exporter
 
-    exporter = InMemorySpanExporter()
+    from .span_support import FlushedSpans
+
+    exporter = FlushedSpans()
     set_span_exporter(exporter)
     yield exporter
     set_span_exporter(None)

@@ -52,13 +52,13 @@ def in_process_llm(model: Path, pipeline: dict[str, Any], env: dict[str, str] | 
     """An engine running ``pipeline`` with scheduler and worker in this process (their state readable
     by the test), under ``env``; yields the engine and an in-memory exporter of every pipeline's spans."""
     import vllm.envs
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
     from kvcompose.config import load_pipeline
     from kvcompose.render import kv_transfer_config
     from kvcompose.tracing import set_span_exporter
 
-    spans = InMemorySpanExporter()
+    from .span_support import FlushedSpans
+
+    spans = FlushedSpans()
     set_span_exporter(spans)
     try:
         with pytest.MonkeyPatch.context() as patch:

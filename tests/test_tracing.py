@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -170,22 +171,30 @@ def test_unsampled_requests_create_no_spans_and_no_metadata(vllm_config_with: Ca
     assert scheduler._instrumentation.tracer.open_requests == 0
 
 
-def test_spans_are_shipped_once_no_request_is_left_whichever_request_finished_last(
+def test_an_idle_engines_spans_are_shipped_by_the_outbox_thread_with_no_further_call(
     vllm_config_with: Callable, exporter: Any
 ) -> None:
-    """An idle scheduler schedules no step that would ship what its sampled requests recorded: they go when
-    the last request leaves, sampled or not (an unsampled last one once left them waiting for the next
-    request)."""
+    """An idle scheduler schedules no step, and nothing on the engine's thread ships: the outbox's thread
+    takes what the sampled request recorded within a drain interval (an unsampled last request once left
+    them waiting for the next request)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvcompose.tracing.outbox import DRAIN_EVERY_S
+
     scheduler, _ = composite_pair(vllm_config_with, _pipeline({"sample_ratio": 0.0}))
     sampled, unsampled = make_request("r1", TRACEPARENT), make_request("r2")
     for request in (sampled, unsampled):
         scheduler.get_num_new_matched_tokens(request, 0)
     scheduler.request_finished(sampled, [])
-    assert exporter.get_finished_spans() == ()  # a request is still open: its steps will ship them
-
     scheduler.request_finished(unsampled, [])
 
-    spans = _by_name(exporter.get_finished_spans())
+    def shipped() -> dict[str, list[Any]]:  # read without the test's flush
+        return _by_name(InMemorySpanExporter.get_finished_spans(exporter))
+
+    deadline = time.monotonic() + 50 * DRAIN_EVERY_S
+    while "kvcompose.request" not in shipped() and time.monotonic() < deadline:
+        time.sleep(DRAIN_EVERY_S / 4)
+    spans = shipped()
     (request_span,) = spans["kvcompose.request"]
     assert request_span.attributes[attr.REQUEST_ID] == "r1"
     assert _connectors(spans["kvcompose.lookup"]) == ["hot", "cold"]

@@ -13,6 +13,7 @@ _EXPORTS = {
     "NoTracing": "kvcompose.tracing.pipeline",
     "PipelineTracer": "kvcompose.tracing.pipeline",
     "TracedRequest": "kvcompose.tracing.pipeline",
+    "force_flush": "kvcompose.tracing.outbox",
     "pipeline_tracer": "kvcompose.tracing.pipeline",
     "set_span_exporter": "kvcompose.tracing.shipping",
 }

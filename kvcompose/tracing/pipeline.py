@@ -19,10 +19,8 @@ Decode-only steps make no span. A step span exists only for traced requests,
 so a sampled request keeps all its spans whatever the ratio.
 
 Spans are :class:`SpanRecord` tuples here (ids and clock reads, no
-OpenTelemetry objects), shipped in batches: a worker ships each step's
-records at the step's end; the scheduler ships what it kept when it schedules
-a step :data:`SHIP_EVERY_S` after its last shipment (or once
-:data:`SHIP_AT` records wait), and when no request is left. The
+OpenTelemetry objects), appended to the tracer's outbox, whose thread ships
+them in batches (:mod:`kvcompose.tracing.outbox`). The
 instrumentation (kvcompose.connectors.instrumentation) routes only the calls
 of sampled requests and their steps through the traced calls this tracer
 makes (:meth:`PipelineTracer.traced`): a request that is not sampled costs
@@ -33,14 +31,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from time import monotonic, time_ns
+from time import time_ns
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcompose.config import Pipeline
 from kvcompose.logs import CURRENT_CALL
 from kvcompose.operations import Describe, Granularity, Operation
 from kvcompose.tracing import attributes as attr
-from kvcompose.tracing.records import IDS, SpanRecord, parse_traceparent
+from kvcompose.tracing.records import IDS, parse_traceparent
 from kvcompose.tracing.sampling import Sampling, sampling_for
 from kvcompose.tracing.shipping import SpanShipper, shipper_for
 
@@ -61,10 +59,6 @@ class TracedRequest(NamedTuple):
 
 
 _UNSEEN = object()  # a request no child was asked about yet
-# Scheduler side: records are shipped when a step is scheduled this long after the last ship, or once this
-# many wait; and whenever no request is left.
-SHIP_EVERY_S = 0.1
-SHIP_AT = 256
 # Breaker events that happen during a traced call, by the call's span id, until the call ends; shared by
 # every tracer of the process, as is CURRENT_CALL. Almost always empty.
 _CALL_EVENTS: dict[int, tuple[tuple[str, int, Mapping[str, Any]], ...]] = {}
@@ -99,8 +93,7 @@ class PipelineTracer:
         self._role = role
         self._step_spans = pipeline.tracing.granularity in ("step", "layer")
         self._layer_spans = pipeline.tracing.granularity == "layer"
-        self._records: list[SpanRecord] = []
-        self._shipped_at = 0.0  # monotonic time of the last ship
+        self._records = shipper.outbox()  # of plain SpanRecord tuples; its thread ships them
         templates = shipper.templates
         self._request_template = templates.register("kvcompose.request", {attr.PIPELINE: pipeline.name,
                                                                           attr.ROLE: role}, (attr.LOADED_BY,))
@@ -275,18 +268,12 @@ class PipelineTracer:
                                   entry.start_ns, time_ns(), req_id, (loader,), None, (), ()))
             if saves_async:
                 self._finished_async[req_id] = entry
-        if not self._requests:  # an idle engine schedules no step that would ship what is kept
-            self.flush()
 
     def step_requests(
         self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None, moving: Iterable[str] = ()
     ) -> tuple[TracedRequest, ...] | None:
         """The sampled requests whose KV the step being scheduled moves (new, loading, named in
-        ``moving``, or finished with saves still running), for the workers. Ships the records kept so
-        far every :data:`SHIP_EVERY_S` (or :data:`SHIP_AT` records): a ship costs a ``marshal`` and a copy
-        whatever its size, and the records of a request that finishes alone go at its end anyway."""
-        if self._records and (len(self._records) >= SHIP_AT or monotonic() - self._shipped_at >= SHIP_EVERY_S):
-            self.flush()
+        ``moving``, or finished with saves still running), for the workers."""
         requests = self._requests
         new_ids = [new.req_id for new in scheduler_output.scheduled_new_reqs]
         traced = [TracedRequest(req_id, entry.trace_id, entry.span_id, True)
@@ -323,7 +310,6 @@ class PipelineTracer:
                                   None, (len(self._step),), None, links, ()))
         self._step, self._step_loaders, self._step_contexts = (), {}, {}
         self._step_span = None
-        self.flush()
 
     def step_contexts(self) -> Mapping[str, SpanContextIds]:
         """Worker side: the span contexts of the bound step's traced requests, by request id."""
@@ -355,19 +341,12 @@ class PipelineTracer:
             self._records.append((self._breaker_template, trace_id, IDS.span_id(), 0, now, now, None,
                                   (connector, state), None, (), (("kvcompose.circuit_breaker", now, attributes),)))
 
-    def flush(self) -> None:
-        if self._records:  # emptied in place: the span runners hold its append
-            self._shipped_at = monotonic()
-            records = self._records.copy()
-            self._records.clear()
-            self._shipper.ship(records)
-
     def telemetry(self) -> tuple[int, int]:
         """(spans dropped since the last call, spans waiting for export)."""
         return self._shipper.telemetry()
 
     def close(self) -> None:
-        """End what is still open and export it (engine shutting down)."""
+        """End what is still open and export it, with what the outbox holds (engine shutting down)."""
         for req_id in list(self._requests):
             entry = self._requests.pop(req_id)
             if entry is not None:
@@ -405,9 +384,6 @@ class NoTracing:
         return {}
 
     def breaker_changed(self, connector: str, state: str) -> None:
-        pass
-
-    def flush(self) -> None:
         pass
 
     def telemetry(self) -> tuple[int, int]:

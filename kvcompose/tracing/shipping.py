@@ -1,13 +1,15 @@
 """Where a process's span records go: an exporter process, or an exporter supplied in-process.
 
-By default each engine process that traces starts one exporter process
+A tracer's records wait in its :class:`~kvcompose.tracing.outbox.Outbox`, which
+its shipper makes; the outbox's thread hands them over in batches (a tenth of
+a second's records), off the engine's thread. By default each engine process
+that traces starts one exporter process
 (:mod:`kvcompose.tracing.export_process`) per tracing section and appends its
 records to a shared-memory :class:`~kvcompose.tracing.ring.Ring` that the
-exporter polls: a batch (a worker's step, or the scheduler's records of the
-last 0.1 s) costs a ``marshal`` and a copy, no system call. When the ring is
-full (the exporter is behind, or gone) the batch is dropped and counted.
-:func:`set_span_exporter` replaces that, for the whole process, with an
-exporter called in-process (tests, embedders).
+exporter polls: a batch costs a ``marshal`` and a copy, no system call. When
+the ring is full (the exporter is behind, or gone) the batch is dropped and
+counted. :func:`set_span_exporter` replaces that, for the whole process, with
+an exporter called in-process (tests, embedders).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from kvcompose.config import TracingSection
 from kvcompose.tracing import export_process
 from kvcompose.tracing.export_process import RECORDS_FRAME, TEMPLATES_FRAME
+from kvcompose.tracing.outbox import Outbox, drain_for
 from kvcompose.tracing.records import SpanRecord, Templates, resource_for, to_readable_spans
 from kvcompose.tracing.ring import CLOSED, DROPPED, QUEUED, READ, Ring
 
@@ -39,17 +42,35 @@ _SHARED_MEMORY = "/dev/shm"
 class SpanShipper(Protocol):
     templates: Templates  # of every record shipped through it
 
-    def ship(self, records: Sequence[SpanRecord]) -> None: ...
+    def outbox(self) -> Outbox:
+        """A new outbox for a tracer's records, shipped here."""
+        ...
+
+    def ship(self, records: Sequence[SpanRecord]) -> None:
+        """Called by the outboxes' thread (or a flush), one batch at a time."""
+        ...
 
     def telemetry(self) -> tuple[int, int]:
         """(spans dropped since the last call, spans waiting for export now)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Ship what its outboxes hold, then release what it holds."""
+        ...
 
 
-class InProcessShipper:
-    """Records become spans and are exported right away, in this process."""
+class _OutboxesShipped:
+    """What every shipper does with its outboxes."""
+
+    def outbox(self) -> Outbox:
+        return Outbox(self)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        drain_for(self)  # type: ignore[arg-type]
+
+
+class InProcessShipper(_OutboxesShipped):
+    """Records become spans and are exported in this process, by the outboxes' thread."""
 
     def __init__(self, exporter: SpanExporter, service_name: str, version: str) -> None:
         self.templates = Templates()
@@ -63,11 +84,8 @@ class InProcessShipper:
     def telemetry(self) -> tuple[int, int]:
         return 0, 0
 
-    def close(self) -> None:
-        pass
 
-
-class DiscardingShipper:
+class DiscardingShipper(_OutboxesShipped):
     """``exporter: none``: spans are decided and recorded, then dropped uncounted."""
 
     def __init__(self) -> None:
@@ -79,11 +97,8 @@ class DiscardingShipper:
     def telemetry(self) -> tuple[int, int]:
         return 0, 0
 
-    def close(self) -> None:
-        pass
 
-
-class ProcessShipper:
+class ProcessShipper(_OutboxesShipped):
     """Appends record batches to the ring of this process's exporter process (started on the first batch)."""
 
     def __init__(self, section: TracingSection, version: str) -> None:
@@ -92,7 +107,9 @@ class ProcessShipper:
         self.templates = Templates()
         self._ring: Ring | None = None
         self._process: subprocess.Popen[bytes] | None = None
-        self._dropped = 0  # by this side, since the last telemetry()
+        # Spans dropped by this side (counted by the outboxes' thread), and as telemetry() last reported them;
+        # two counters, each written by one thread.
+        self._dropped = self._reported_own = 0
         self._reported_dropped = 0  # the exporter process's own count, as last read
 
     def ship(self, records: Sequence[SpanRecord]) -> None:
@@ -121,13 +138,15 @@ class ProcessShipper:
     def telemetry(self) -> tuple[int, int]:
         if self._ring is None:
             return 0, 0
-        total = self._ring.counter(DROPPED)
-        dropped = self._dropped + max(0, total - self._reported_dropped)
-        self._dropped, self._reported_dropped = 0, total
+        total, own = self._ring.counter(DROPPED), self._dropped
+        dropped = own - self._reported_own + max(0, total - self._reported_dropped)
+        self._reported_own, self._reported_dropped = own, total
         return dropped, self._ring.counter(QUEUED)
 
     def close(self) -> None:
-        """The exporter process drains the ring, flushes (at most 2 s) and exits."""
+        """What the outboxes hold is shipped; the exporter process drains the ring, flushes (at most 2 s)
+        and exits."""
+        super().close()
         ring, process = self._ring, self._process
         self._ring = self._process = None
         if ring is None or process is None:
