@@ -20,14 +20,15 @@ from .connector_support import RECORDING, composite_pair, make_blocks, make_requ
 WAIT = OPERATIONS["wait_for_save"]
 
 
-def _pair(vllm_config_with: Callable, every: int, hot: dict[str, Any] | None = None, **hot_config: Any,
-          ) -> tuple[Any, Any]:
+def _pair(vllm_config_with: Callable, every: int, hot: dict[str, Any] | None = None, tracing: bool = False,
+          **hot_config: Any) -> tuple[Any, Any]:
     children = []
     for name, script in (("hot", hot or {}), ("cold", {})):
         recording.CALL_LOGS.pop(f"sampling/{name}", None)
         children.append({"name": name, **RECORDING, "config": {"log": f"sampling/{name}", "script": script},
                          **(hot_config if name == "hot" else {})})
-    pipeline = {"version": 1, "name": "sampled", "metrics": {"sample_every": every}, "children": children}
+    pipeline = {"version": 1, "name": "sampled", "metrics": {"sample_every": every}, "children": children,
+                "tracing": {"enabled": tracing, "sample_ratio": 1.0}}
     return composite_pair(vllm_config_with, pipeline)
 
 
@@ -112,3 +113,19 @@ def test_after_an_idle_second_the_next_call_is_timed(vllm_config_with: Callable,
     assert sampler.timed_calls == timed + 1
     _idle_step(scheduler, worker)
     assert _waits(worker.get_kv_connector_stats()) == 1  # it stands for itself alone
+
+
+@pytest.mark.parametrize(("every", "timed"), [(4, 3), (1, 10)])
+def test_traced_calls_are_counted_down_like_any_other(vllm_config_with: Callable, exporter: Any, every: int,
+                                                      timed: int) -> None:
+    """Every request traced: each lookup is a traced call, counted like an untraced one; one in
+    ``sample_every`` is timed as well (every one with ``sample_every: 1``). Each has its span either way."""
+    scheduler, _ = _pair(vllm_config_with, every=every, tracing=True)
+    for index in range(10):
+        scheduler.get_num_new_matched_tokens(make_request(f"r{index}"), 0)
+
+    recorder = scheduler._instrumentation.recorder
+    assert recorder.sampler(OPERATIONS["get_num_new_matched_tokens"]).timed_calls == timed
+    recorder.flush()  # the scheduler goes idle: the calls since the last timed one count
+    assert recorder.take().call_count("hot", "lookup") == 10
+    assert len([span for span in exporter.get_finished_spans() if span.name == "kvcompose.lookup"]) == 2 * 10

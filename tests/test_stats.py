@@ -225,7 +225,7 @@ def test_pending_latencies_are_folded_before_they_pile_up(monkeypatch: pytest.Mo
     sampler = recorder.sampler(OPERATIONS["wait_for_save"])
     wait = _timed(recorder, "hot", "wait_for_save", lambda: None)
     for _ in range(20):
-        sampler.begin(counted=False)
+        sampler.begin()
         wait()
     assert len(recorder._pending) <= 8  # folded twice on the way
     assert recorder.take().call_count("hot", "wait_for_save") == 20
@@ -318,7 +318,7 @@ def test_calls_from_two_threads_are_counted_exactly(monkeypatch: pytest.MonkeyPa
     def work(child: str) -> None:
         for i in range(calls):
             if i % 64 == 0:
-                sampler.begin(counted=False)  # folds what piled up
+                sampler.begin()  # folds what piled up
             waits[child]()
             if i % 100 == 0:
                 with pytest.raises(Failing) as failure:

@@ -8,9 +8,9 @@ child whose circuit is not closed, and no child saves a layer while
 :attr:`ChildCalls.layer_saves` is off).
 
 Each child's call is made here, at start-up and again whenever its breaker
-changes how it must be made (:meth:`ChildCalls.rebuild`), in up to three
-variants (:class:`Variant`). Innermost to outermost: the timer (timed and
-traced variants), the breaker's gate, the span (traced variant), the tap (what
+changes how it must be made (:meth:`ChildCalls.rebuild`), in up to four
+variants (:class:`Variant`: plain, timed, traced, timed and traced).
+Innermost to outermost: the timer, the breaker's gate, the span, the tap (what
 observers read from every call's result), and isolation of a result iterated
 after the call (see :mod:`kvcompose.connectors.isolation`; the composite's loops
 catch every other failure). With nothing to add, a call is the child's own
@@ -19,7 +19,7 @@ bound method.
 The composite calls the plain variant (``current``), unless the
 instrumentation (:mod:`kvcompose.connectors.instrumentation`) puts another in
 its place for one call: one sampled for timing, or about a traced request or
-step. A call that raised is traced back to its child by :meth:`ChildCalls.owner`,
+step (timed too when it is the call sampled). A call that raised is traced back to its child by :meth:`ChildCalls.owner`,
 on the failure path only.
 """
 
@@ -39,10 +39,10 @@ if TYPE_CHECKING:
 CallWrapper = Callable[["Child", Operation, Callable[..., Any]], Callable[..., Any]]
 
 
-class Variant(enum.Enum):
-    PLAIN = "plain"
-    TIMED = "timed"  # its latency recorded
-    TRACED = "traced"  # in a span (and timed, with metrics on)
+class Variant(enum.Flag):
+    PLAIN = 0
+    TIMED = enum.auto()  # its latency recorded
+    TRACED = enum.auto()  # in a span
 
 
 @dataclass(frozen=True)
@@ -71,12 +71,10 @@ class ChildCalls:
         self.children = tuple(children)
         self._wrappers = wrappers or CallWrappers()
         self.current = Fanout()  # what the composite calls now
-        variants = [Variant.PLAIN]
-        if self._wrappers.timed is not None:
-            variants.append(Variant.TIMED)
-        if self._wrappers.traced is not None:
-            variants.append(Variant.TRACED)
-        self._variants = {variant: Fanout() for variant in variants}
+        made = (Variant.TIMED if self._wrappers.timed is not None else Variant.PLAIN) | (
+            Variant.TRACED if self._wrappers.traced is not None else Variant.PLAIN)
+        self._variants = {variant: Fanout() for variant in (Variant.PLAIN, Variant.TIMED, Variant.TRACED,
+                                                            Variant.TIMED | Variant.TRACED) if variant in made}
         self._owners: dict[str, dict[Callable[..., Any], Child]] = {}  # operation -> its calls' children
         # ... as they were before the last rebuild: a call can change its own breaker's state, and with it how
         # its child's calls are made, before it raises (a half-open circuit's probe).
@@ -166,10 +164,10 @@ class ChildCalls:
         self, child: Child, operation: Operation, variant: Variant, method: Callable[..., Any],
     ) -> Callable[..., Any]:
         wrappers, call = self._wrappers, method
-        if variant is not Variant.PLAIN and wrappers.timed is not None:
+        if Variant.TIMED in variant and wrappers.timed is not None:
             call = wrappers.timed(child, operation, call)
         call = child.guard.gate(operation, call)
-        if variant is Variant.TRACED and wrappers.traced is not None:
+        if Variant.TRACED in variant and wrappers.traced is not None:
             call = wrappers.traced(child, operation, call)
         if wrappers.tapped is not None:
             call = wrappers.tapped(child, operation, call)

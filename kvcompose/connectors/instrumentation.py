@@ -14,7 +14,8 @@ What the wrappers do:
   ``metrics.sample_every`` runs the operation's *timed* calls.
 - A call about a sampled request (scheduler side), and every traced call of a
   step that moves a sampled request's KV (worker side), runs the *traced*
-  calls, which are timed as well.
+  calls. It is counted down like any other call, and runs the timed and
+  traced calls when it is the one to time.
 - Scheduler side: an admitted request's lookup round is counted; a finished
   request's span ends; each step's metadata carries the sampled requests and
   the new requests' saves to the workers, and asks them to flush their stats
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvcompose.config import Pipeline
-from kvcompose.connectors.calls import CallWrappers, ChildCalls, Variant
+from kvcompose.connectors.calls import CallWrappers, ChildCalls, Fanout, Variant
 from kvcompose.connectors.transfers import (
     TransferTracker,
     bytes_per_block,
@@ -221,19 +222,16 @@ class Instrumentation:
         else:
             setattr(self._composite, name, call)
 
-    def _run_as(self, operation: Operation, variant: Variant, counted: bool,
+    def _run_as(self, operation: Operation, choose: Callable[[], Fanout],
                 forward: Callable[..., Any]) -> Callable[..., Any]:
-        """``forward`` calling ``variant`` of the operation's child calls instead of the plain ones; a timed
-        operation's sampler is told (``counted``: its countdown counted the call)."""
-        calls, recorder, name = self._calls, self.recorder, operation.name
+        """``forward`` calling the operation's child calls of the variant ``choose`` picks, on each call,
+        instead of the plain ones."""
+        calls, name = self._calls, operation.name
         assert calls is not None
-        current, chosen, plain = calls.current, calls.fanout(variant), calls.fanout(Variant.PLAIN)
-        sampler = recorder.sampler(operation)
+        current, plain = calls.current, calls.fanout(Variant.PLAIN)
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            if sampler is not None:
-                sampler.begin(counted)
-            setattr(current, name, getattr(chosen, name))
+            setattr(current, name, getattr(choose(), name))
             try:
                 return forward(*args, **kwargs)
             finally:  # the plain calls as they are made now: a breaker may have changed them meanwhile
@@ -246,7 +244,28 @@ class Instrumentation:
         sampler: OperationSampler | None = self.recorder.sampler(operation)
         if sampler is None:
             return forward
-        return sampler.around(forward, self._run_as(operation, Variant.TIMED, True, forward))
+        timed = self._calls.fanout(Variant.TIMED)  # type: ignore[union-attr]
+
+        def sampled() -> Fanout:
+            sampler.begin()
+            return timed
+
+        return sampler.around(forward, self._run_as(operation, sampled, forward))
+
+    def _traced(self, operation: Operation, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` calling the traced child calls. A traced call is counted down like any other, and timed
+        as well when it is the one its operation's sampler is due to time."""
+        calls, sampler = self._calls, self.recorder.sampler(operation)
+        assert calls is not None
+        traced = calls.fanout(Variant.TRACED)
+        if sampler is None:
+            return self._run_as(operation, lambda: traced, forward)
+        timed_traced = calls.fanout(Variant.TIMED | Variant.TRACED)
+
+        def counted() -> Fanout:
+            return timed_traced if sampler.count_traced() else traced
+
+        return self._run_as(operation, counted, forward)
 
     # ---- scheduler side ----
 
@@ -266,7 +285,7 @@ class Instrumentation:
     def _traced_if_sampled(self, operation: Operation, forward: Callable[..., Any],
                            untraced: Callable[..., Any]) -> Callable[..., Any]:
         """A call about a sampled request runs the traced calls; any other runs ``untraced``."""
-        traced = self._run_as(operation, Variant.TRACED, False, forward)
+        traced = self._traced(operation, forward)
         request_traced = self.tracer.request_traced  # type: ignore[union-attr]
 
         def call(*args: Any) -> Any:
@@ -332,8 +351,7 @@ class Instrumentation:
     def _attach_worker(self) -> None:
         for name, operation, forward in self._forwarded_here():
             untraced = self._counted_down(operation, forward)
-            traced = self._run_as(operation, Variant.TRACED, False, forward) if self._traced_in_steps(operation) \
-                else untraced
+            traced = self._traced(operation, forward) if self._traced_in_steps(operation) else untraced
             self._untraced_step[name] = self._with_tracker(name, untraced)
             self._traced_step[name] = self._with_tracker(name, traced)
             self._install(name, self._untraced_step[name])

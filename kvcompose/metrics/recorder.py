@@ -140,16 +140,26 @@ class OperationSampler:
         call, self._read, self._write = namespace["countdown"](forward.__func__, forward.__self__, sampled)
         return call
 
-    def begin(self, counted: bool) -> None:
-        """A timed call starts: it stands for every call since the last one credited (itself included;
-        ``counted``: the countdown counted it, and has just run out). The countdown starts again."""
-        calls = self._period if counted else self._period - self._read() + 1
+    def begin(self) -> None:
+        """A timed call starts (the countdown ran out with it): it stands for every call since the last one
+        credited, itself included. The countdown starts again."""
+        calls = self._period
         if len(self._pending) >= MAX_PENDING_CALLS:
             self._fold()
         self._pending.append((-1, calls - self._credited, self.index))  # the timed calls that follow weigh this
         self._write(self.every)
         self._period, self._credited = self.every, 0
         self.timed_calls += 1
+
+    def count_traced(self) -> bool:
+        """A traced call, counted like any other; True if the countdown runs out with it: it is then the one
+        to time, and begins the sample."""
+        left = self._read()
+        if left > 1:
+            self._write(left - 1)
+            return False
+        self.begin()
+        return True
 
     def uncredited(self) -> int:
         """Calls since the last timed call that no flush credited yet."""
