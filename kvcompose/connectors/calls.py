@@ -75,6 +75,7 @@ class ChildCalls:
             Variant.TRACED if self._wrappers.traced is not None else Variant.PLAIN)
         self._variants = {variant: Fanout() for variant in (Variant.PLAIN, Variant.TIMED, Variant.TRACED,
                                                             Variant.TIMED | Variant.TRACED) if variant in made}
+        self._plain = self._variants[Variant.PLAIN]  # read in steps: an Enum key hashes in Python
         self._owners: dict[str, dict[Callable[..., Any], Child]] = {}  # operation -> its calls' children
         # ... as they were before the last rebuild: a call can change its own breaker's state, and with it how
         # its child's calls are made, before it raises (a half-open circuit's probe).
@@ -111,11 +112,11 @@ class ChildCalls:
         for fanout in self._variants.values():  # once or twice a step: no rebuild
             calls = fanout.wait_for_layer_load[:-1] if previous is not None else fanout.wait_for_layer_load
             fanout.wait_for_layer_load = calls + (marker,) if marker is not None else calls
-        self.current.wait_for_layer_load = self._variants[Variant.PLAIN].wait_for_layer_load
+        self.current.wait_for_layer_load = self._plain.wait_for_layer_load
 
     def fanout(self, variant: Variant) -> Fanout:
         """The calls of ``variant`` (the plain ones where that variant is not made); rebuilt in place."""
-        return self._variants.get(variant, self._variants[Variant.PLAIN])
+        return self._variants.get(variant, self._plain)
 
     # ---- making the calls ----
 
@@ -143,7 +144,7 @@ class ChildCalls:
             if name == "wait_for_layer_load" and self._layer_load_marker is not None:
                 calls.append(self._layer_load_marker)
             setattr(fanout, name, tuple(calls))
-        setattr(self.current, name, getattr(self._variants[Variant.PLAIN], name))
+        setattr(self.current, name, getattr(self._plain, name))
 
     def _takes_part(self, child: Child, operation: Operation) -> bool:
         if (operation.children == "loaders" and not child.load) or (operation.children == "savers" and not child.save):
