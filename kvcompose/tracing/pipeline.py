@@ -107,7 +107,8 @@ class PipelineTracer:
         self._finished_async: dict[str, _RequestSpan] = {}  # finished requests with async saves
         # Worker side: the bound step.
         self._step: tuple[TracedRequest, ...] = ()
-        self._step_loaders: dict[str, int] = {}  # request id -> index of the child loading it
+        self._step_saved: list[TracedRequest] = []  # new: their KV is saved now
+        self._step_loaded: dict[int, list[TracedRequest]] = {}  # child index -> the requests it loads
         self._step_contexts: dict[str, SpanContextIds] = {}
         self._step_span: SpanContextIds | None = None
         self._step_start = 0
@@ -130,10 +131,10 @@ class PipelineTracer:
             traced = self._step_call(template, operation.describe, call)
         if operation.name == "start_load_kv":
             load = self._shipper.templates.register("kvcompose.load", base)
-            return self._per_request_call(load, self._loaded_by(spec.index), traced)
+            return self._per_request_call(load, spec.index, traced)
         if operation.name == "wait_for_save":
             save = self._shipper.templates.register("kvcompose.save", base)
-            return self._per_request_call(save, self._new_requests, traced)
+            return self._per_request_call(save, None, traced)
         return traced
 
     def _child_attributes(self, spec: ChildSpec) -> dict[str, Any]:
@@ -173,13 +174,13 @@ class PipelineTracer:
 
         return traced
 
-    def _per_request_call(
-        self, template: int, select: Callable[[], list[TracedRequest]], call: Callable[..., Any],
-    ) -> Callable[..., Any]:
-        """One span per selected request, timed by this call, in that request's trace."""
+    def _per_request_call(self, template: int, loader: int | None, call: Callable[..., Any]) -> Callable[..., Any]:
+        """One span per traced request of the step, timed by this call, in that request's trace: those the child
+        at index ``loader`` loads, or (None) those saved now."""
+        random_bits = IDS.random_bits
 
         def traced(*args: Any, **kwargs: Any) -> Any:
-            requests = select()
+            requests = self._step_saved if loader is None else self._step_loaded.get(loader)
             if not requests:
                 return call(*args, **kwargs)
             start, error_type = time_ns(), None
@@ -192,8 +193,8 @@ class PipelineTracer:
                 end = time_ns()
                 for request in requests:
                     parent = self._step_contexts[request.request_id]
-                    self._records.append((template, parent.trace_id, IDS.span_id(), parent.span_id, start, end,
-                                          request.request_id, None, error_type, (), ()))
+                    self._records.append((template, parent.trace_id, random_bits(64) or 1, parent.span_id, start,
+                                          end, request.request_id, None, error_type, (), ()))
 
         return traced
 
@@ -230,12 +231,6 @@ class PipelineTracer:
                         _CALL_EVENTS.pop(span_id, ()) if _CALL_EVENTS else ()))
 
         return run
-
-    def _loaded_by(self, index: int) -> Callable[[], list[TracedRequest]]:
-        return lambda: [request for request in self._step if self._step_loaders.get(request.request_id) == index]
-
-    def _new_requests(self) -> list[TracedRequest]:
-        return [request for request in self._step if request.new]
 
     # ---- scheduler side ----
 
@@ -294,10 +289,14 @@ class PipelineTracer:
         """Bind the step's sampled requests and its loads (from the step's metadata); True if it has any."""
         if not requests:
             return False
-        self._step_loaders = {req_id: plan.child for req_id, plan in (loads or {}).items()}
         self._step_contexts.update((request.request_id, SpanContextIds(request.trace_id, request.span_id))
                                    for request in requests)
         self._step = requests
+        self._step_saved = [request for request in requests if request.new]
+        if loads:
+            for request in requests:
+                if (plan := loads.get(request.request_id)) is not None:
+                    self._step_loaded.setdefault(plan.child, []).append(request)
         if self._step_spans:
             self._step_span = SpanContextIds(IDS.trace_id(), IDS.span_id())
             self._step_start = time_ns()
@@ -308,7 +307,7 @@ class PipelineTracer:
             links = tuple((context.trace_id, context.span_id) for context in self._step_contexts.values())
             self._records.append((self._step_template, step.trace_id, step.span_id, 0, self._step_start, time_ns(),
                                   None, (len(self._step),), None, links, ()))
-        self._step, self._step_loaders, self._step_contexts = (), {}, {}
+        self._step, self._step_saved, self._step_loaded, self._step_contexts = (), [], {}, {}
         self._step_span = None
 
     def step_contexts(self) -> Mapping[str, SpanContextIds]:
@@ -325,8 +324,8 @@ class PipelineTracer:
             template = self._transfer_templates[spec.index] = self._shipper.templates.register(
                 "kvcompose.transfer", self._child_attributes(spec),
                 (attr.TRANSFER_DIRECTION, attr.TRANSFER_BLOCKS, attr.TRANSFER_BYTES, attr.TRANSFER_OUTCOME))
-        self._records.append((template, context.trace_id, IDS.span_id(), context.span_id, start_ns, end_ns,
-                              request_id, (direction, blocks, nbytes, outcome), error_type, (), ()))
+        self._records.append((template, context.trace_id, IDS.random_bits(64) or 1, context.span_id, start_ns,
+                              end_ns, request_id, (direction, blocks, nbytes, outcome), error_type, (), ()))
 
     def breaker_changed(self, connector: str, state: str) -> None:
         """A ``kvcompose.circuit_breaker`` event on the traced call running now, or on a span of its own."""
