@@ -20,7 +20,8 @@ from benchmarks.connectors import kvcompose_connector, pipeline
 REQUESTS_PER_STEP = 8
 
 
-def _metadata(children: int, step: int) -> Any:
+def step_metadata(children: int, step: int) -> Any:
+    """A step's metadata: each request loaded by the first child and saved by every child, traced."""
     from kvcompose.connectors.metadata import KVComposeMetadata, LoadPlan
     from kvcompose.tracing.pipeline import TracedRequest
 
@@ -31,11 +32,11 @@ def _metadata(children: int, step: int) -> Any:
             TracedRequest(req_id, step + 1, index + 1, True) for index, req_id in enumerate(ids)))
 
 
-def _steps(composite: Any, metadata: list[Any]) -> float:
+def run_steps(composite: Any, metadata: list[Any]) -> float:
     """CPU seconds of this thread for one step per metadata."""
     start = time.thread_time()
-    for step_metadata in metadata:
-        composite.bind_connector_metadata(step_metadata)
+    for one_step in metadata:
+        composite.bind_connector_metadata(one_step)
         composite.start_load_kv(None)
         composite.wait_for_layer_load("model.layers.0")
         composite.wait_for_save()
@@ -55,8 +56,8 @@ def measure(rounds: int = 5, steps: int = 400) -> dict[str, Any]:
         best = dict.fromkeys(("tracked", "untracked"), float("inf"))
         for _ in range(rounds):
             for subject, composite in (("tracked", tracked), ("untracked", untracked)):
-                metadata = [_metadata(len(composite.children), step) for step in range(steps)]
-                best[subject] = min(best[subject], _steps(composite, metadata))
+                metadata = [step_metadata(len(composite.children), step) for step in range(steps)]
+                best[subject] = min(best[subject], run_steps(composite, metadata))
         result[name] = (best["tracked"] - best["untracked"]) / (steps * transfers_per_step) * 1e6
     return {"us_per_transfer": result, "children": 2}
 
