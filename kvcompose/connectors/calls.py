@@ -19,8 +19,8 @@ bound method.
 The composite calls the plain variant (``current``), unless the
 instrumentation (:mod:`kvcompose.connectors.instrumentation`) puts another in
 its place for one call: one sampled for timing, or about a traced request or
-step (timed too when it is the call sampled). A call that raised is traced back to its child by :meth:`ChildCalls.owner`,
-on the failure path only.
+step (timed too when it is the call sampled). A call that raised is traced
+back to its child by :meth:`ChildCalls.owner`, on the failure path only.
 """
 
 from __future__ import annotations

@@ -244,7 +244,8 @@ class Instrumentation:
         sampler: OperationSampler | None = self.recorder.sampler(operation)
         if sampler is None:
             return forward
-        timed = self._calls.fanout(Variant.TIMED)  # type: ignore[union-attr]
+        assert self._calls is not None
+        timed = self._calls.fanout(Variant.TIMED)
 
         def sampled() -> Fanout:
             sampler.begin()

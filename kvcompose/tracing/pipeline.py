@@ -292,7 +292,7 @@ class PipelineTracer:
         self._step_contexts.update((request.request_id, SpanContextIds(request.trace_id, request.span_id))
                                    for request in requests)
         self._step = requests
-        self._step_saved = [request for request in requests if request.new]
+        self._step_saved, self._step_loaded = [request for request in requests if request.new], {}
         if loads:
             for request in requests:
                 if (plan := loads.get(request.request_id)) is not None:
