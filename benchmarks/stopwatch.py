@@ -17,6 +17,7 @@ A call made from inside another timed call (``get_finished`` asks
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvcompose import connectors as kvcompose_connectors
 from kvcompose.operations import CONNECTOR_OPERATIONS
 from kvcompose.tracing import export_process
+from kvcompose.tracing.outbox import THREAD_NAME as OUTBOX_THREAD
 
 EXPORT_PROCESS = export_process.__name__  # the module each tracing engine process runs
 
@@ -115,12 +117,8 @@ def _thread_cpu_s(task: Path) -> float:
 def outbox_thread_cpu_s() -> float:
     """CPU seconds used so far by this process's span outbox thread (it ships the spans: CPU of the engine's
     process, off the engine's thread); 0 where tracing never started one."""
-    import threading
-
-    from kvcompose.tracing.outbox import THREAD_NAME
-
     for thread in threading.enumerate():
-        if thread.name == THREAD_NAME and thread.native_id is not None:
+        if thread.name == OUTBOX_THREAD and thread.native_id is not None:
             with contextlib.suppress(OSError, ValueError, IndexError):
                 return _thread_cpu_s(Path(f"/proc/self/task/{thread.native_id}"))
     return 0.0
