@@ -21,14 +21,14 @@ WAIT = OPERATIONS["wait_for_save"]
 
 
 def _pair(vllm_config_with: Callable, every: int, hot: dict[str, Any] | None = None, tracing: bool = False,
-          **hot_config: Any) -> tuple[Any, Any]:
+          granularity: str = "request", **hot_config: Any) -> tuple[Any, Any]:
     children = []
     for name, script in (("hot", hot or {}), ("cold", {})):
         recording.CALL_LOGS.pop(f"sampling/{name}", None)
         children.append({"name": name, **RECORDING, "config": {"log": f"sampling/{name}", "script": script},
                          **(hot_config if name == "hot" else {})})
     pipeline = {"version": 1, "name": "sampled", "metrics": {"sample_every": every}, "children": children,
-                "tracing": {"enabled": tracing, "sample_ratio": 1.0}}
+                "tracing": {"enabled": tracing, "sample_ratio": 1.0, "granularity": granularity}}
     return composite_pair(vllm_config_with, pipeline)
 
 
@@ -96,6 +96,29 @@ def test_scheduler_counts_every_call_once_no_admitted_request_is_left(vllm_confi
     calls = scheduler.get_kv_connector_stats().calls
     assert [calls.call_count("hot", op) for op in ("lookup", "update_state_after_alloc", "request_finished")] == [
         6, 3, 3]
+
+
+@pytest.mark.parametrize(("every", "timed"), [(4, 3), (1, 10)])
+def test_a_traced_steps_calls_are_counted_down_like_any_other(vllm_config_with: Callable, exporter: Any,
+                                                              every: int, timed: int) -> None:
+    """Worker side, step granularity: each step saves a new traced request, so its wait_for_save runs the
+    traced calls; counted like an untraced one, and timed as well when it is due."""
+    scheduler, worker = _pair(vllm_config_with, every=every, tracing=True, granularity="step")
+    for index in range(10):
+        request = make_request(f"r{index}")
+        scheduler.get_num_new_matched_tokens(request, 0)
+        scheduler.update_state_after_alloc(request, make_blocks(1, 2), 0)
+        worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=[request])))
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+    _idle_step(scheduler, worker)
+
+    assert worker._instrumentation.recorder.sampler(WAIT).timed_calls == timed
+    assert _waits(worker.get_kv_connector_stats()) == 10
+    waits = [span for span in exporter.get_finished_spans() if span.name == "kvcompose.wait_for_save"]
+    assert len(waits) == 2 * 10  # each child's, in every step
+    steps = {span.context.span_id for span in exporter.get_finished_spans() if span.name == "kvcompose.step"}
+    assert {span.parent.span_id for span in waits} <= steps
 
 
 def test_after_an_idle_second_the_next_call_is_timed(vllm_config_with: Callable, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -105,6 +105,25 @@ def test_step_granularity_adds_linked_step_spans(vllm_config_with: Callable, exp
     assert "kvcompose.save_kv_layer" not in named
 
 
+def test_a_breaker_opening_mid_step_leaves_the_rest_of_the_step_traced(vllm_config_with: Callable,
+                                                                      exporter: Any) -> None:
+    """The hot child's failed start_load_kv opens its circuit, which makes its calls again mid-step; the
+    step's later calls still run traced. (Metrics off: no call is the one sampled for timing, which would
+    pick its calls itself.)"""
+    pipeline = _pipeline({"granularity": "step"}, hot={"raises": ["start_load_kv"]})
+    pipeline["children"][0]["circuit_breaker"] = {"failures": 1}
+    pipeline["metrics"] = {"enabled": False}
+    scheduler, worker = composite_pair(vllm_config_with, pipeline)
+    _serve_one_request(scheduler, worker, make_request("r1", TRACEPARENT))
+
+    named = _by_name(exporter.get_finished_spans())
+    (step,) = named["kvcompose.step"]
+    assert worker._guards[0].state.name == "OPEN"
+    for name in ("kvcompose.wait_for_save", "kvcompose.get_transfer_results"):
+        assert "cold" in _connectors(named[name]), name
+        assert {span.parent.span_id for span in named[name]} == {step.context.span_id}, name
+
+
 def test_decode_only_steps_make_no_step_span(vllm_config_with: Callable, exporter: Any) -> None:
     scheduler, worker = composite_pair(vllm_config_with, _pipeline({"granularity": "step"}))
     request = make_request("r2", TRACEPARENT)  # no child has it: nothing to load

@@ -16,11 +16,15 @@ after the call (see :mod:`kvcompose.connectors.isolation`; the composite's loops
 catch every other failure). With nothing to add, a call is the child's own
 bound method.
 
-The composite calls the plain variant (``current``), unless the
-instrumentation (:mod:`kvcompose.connectors.instrumentation`) puts another in
-its place for one call: one sampled for timing, or about a traced request or
-step (timed too when it is the call sampled). A call that raised is traced
-back to its child by :meth:`ChildCalls.owner`, on the failure path only.
+The composite calls ``current``. Between calls it holds the ``resting`` calls:
+the plain ones, or, while the instrumentation
+(:mod:`kvcompose.connectors.instrumentation`) has a step traced, the traced ones
+of the operations that step traces (:meth:`ChildCalls.trace_by_default`: a
+switch of tuples, nothing wrapped or installed per step). For one call the
+instrumentation puts another variant in its place: one sampled for timing runs
+the ``timing`` calls (the resting ones, timed), and a call about a traced
+request the traced ones. A call that raised is traced back to its child by
+:meth:`ChildCalls.owner`, on the failure path only.
 """
 
 from __future__ import annotations
@@ -71,11 +75,17 @@ class ChildCalls:
         self.children = tuple(children)
         self._wrappers = wrappers or CallWrappers()
         self.current = Fanout()  # what the composite calls now
+        self.resting = Fanout()  # what ``current`` holds between calls: plain, or traced in a traced step
+        self.timing = Fanout()  # what a call sampled for timing runs: the resting calls, timed
         made = (Variant.TIMED if self._wrappers.timed is not None else Variant.PLAIN) | (
             Variant.TRACED if self._wrappers.traced is not None else Variant.PLAIN)
         self._variants = {variant: Fanout() for variant in (Variant.PLAIN, Variant.TIMED, Variant.TRACED,
                                                             Variant.TIMED | Variant.TRACED) if variant in made}
-        self._plain = self._variants[Variant.PLAIN]  # read in steps: an Enum key hashes in Python
+        self._plain = self._variants[Variant.PLAIN]
+        # (resting, timing) fanouts of an operation at rest untraced, and traced (no Enum hashed in a step)
+        self._untraced = (self._plain, self.fanout(Variant.TIMED))
+        self._traced = (self.fanout(Variant.TRACED), self.fanout(Variant.TIMED | Variant.TRACED))
+        self._traced_by_default: frozenset[str] = frozenset()
         self._owners: dict[str, dict[Callable[..., Any], Child]] = {}  # operation -> its calls' children
         # ... as they were before the last rebuild: a call can change its own breaker's state, and with it how
         # its child's calls are made, before it raises (a half-open circuit's probe).
@@ -104,6 +114,14 @@ class ChildCalls:
             self._layer_saves = on
             self._rebuild_operation(OPERATIONS["save_kv_layer"])
 
+    def trace_by_default(self, operations: frozenset[str]) -> None:
+        """From now on, these operations rest on their traced calls (a traced step's), every other on its
+        plain calls."""
+        changed = operations ^ self._traced_by_default
+        self._traced_by_default = operations
+        for name in changed:
+            self._rest(name)
+
     def set_layer_load_marker(self, marker: Callable[[str], None] | None) -> None:
         """Call ``marker`` (None: nothing) after the loaders' waits of every layer, from now on."""
         previous, self._layer_load_marker = self._layer_load_marker, marker
@@ -112,7 +130,7 @@ class ChildCalls:
         for fanout in self._variants.values():  # once or twice a step: no rebuild
             calls = fanout.wait_for_layer_load[:-1] if previous is not None else fanout.wait_for_layer_load
             fanout.wait_for_layer_load = calls + (marker,) if marker is not None else calls
-        self.current.wait_for_layer_load = self._plain.wait_for_layer_load
+        self._rest("wait_for_layer_load")
 
     def fanout(self, variant: Variant) -> Fanout:
         """The calls of ``variant`` (the plain ones where that variant is not made); rebuilt in place."""
@@ -144,7 +162,15 @@ class ChildCalls:
             if name == "wait_for_layer_load" and self._layer_load_marker is not None:
                 calls.append(self._layer_load_marker)
             setattr(fanout, name, tuple(calls))
-        setattr(self.current, name, getattr(self._plain, name))
+        self._rest(name)
+
+    def _rest(self, name: str) -> None:
+        """``current`` (and ``resting``, ``timing``) take the operation's calls as it rests now."""
+        resting, timing = self._traced if name in self._traced_by_default else self._untraced
+        calls = getattr(resting, name)
+        setattr(self.resting, name, calls)
+        setattr(self.timing, name, getattr(timing, name))
+        setattr(self.current, name, calls)
 
     def _takes_part(self, child: Child, operation: Operation) -> bool:
         if (operation.children == "loaders" and not child.load) or (operation.children == "savers" and not child.save):

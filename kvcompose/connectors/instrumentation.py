@@ -15,15 +15,16 @@ What the wrappers do:
 - A call about a sampled request (scheduler side), and every traced call of a
   step that moves a sampled request's KV (worker side), runs the *traced*
   calls. It is counted down like any other call, and runs the timed and
-  traced calls when it is the one to time.
+  traced calls when it is the one to time. A traced step does not wrap
+  anything: while it is bound, its traced operations rest on their traced
+  calls (:meth:`~kvcompose.connectors.calls.ChildCalls.trace_by_default`).
 - Scheduler side: an admitted request's lookup round is counted; a finished
   request's span ends; each step's metadata carries the sampled requests and
   the new requests' saves to the workers, and asks them to flush their stats
   when the step runs no forward pass. Its own stats are flushed then too, and
   whenever no admitted request is left.
 - Worker side: around each step, the transfer tracker opens and ends transfers
-  (:mod:`kvcompose.connectors.transfers`); the step's calls are chosen when it
-  is bound (traced, or counted down) and set back when it is cleared.
+  (:mod:`kvcompose.connectors.transfers`).
 
 Taps on the children's calls read what only each child's result says:
 transfer results and finished jobs for the tracker, blocks that failed to load
@@ -118,10 +119,9 @@ class Instrumentation:
         self._ledger: SchedulerLedger | None = None
         self._forwards: dict[str, Callable[..., Any]] = {}  # method -> the composite's own, bound
         self._chosen_forwards: set[str] = set()  # ... those the composite chose on its instance
-        self._untraced_step: dict[str, Callable[..., Any]] = {}  # worker: method -> what a step calls
-        self._traced_step: dict[str, Callable[..., Any]] = {}  # ... a step that moves a sampled request's KV
-        self._traced_differs: list[str] = []  # worker: methods whose traced step's call differs
-        self._step_installed: list[str] = []  # worker: methods the bound step calls differently
+        self._wait_for_save: Callable[[], None] | None = None  # worker: what vLLM calls, but in a step with sync saves
+        self._completing_saves_of_step = False  # worker: the bound step's wait_for_save completes its sync saves
+        self._step_traces: frozenset[str] = frozenset()  # worker: the operations a traced step traces
 
     # ---- the children's calls ----
 
@@ -228,14 +228,14 @@ class Instrumentation:
         instead of the plain ones."""
         calls, name = self._calls, operation.name
         assert calls is not None
-        current, plain = calls.current, calls.fanout(Variant.PLAIN)
+        current, resting = calls.current, calls.resting
 
         def run(*args: Any, **kwargs: Any) -> Any:
             setattr(current, name, getattr(choose(), name))
             try:
                 return forward(*args, **kwargs)
-            finally:  # the plain calls as they are made now: a breaker may have changed them meanwhile
-                setattr(current, name, getattr(plain, name))
+            finally:  # the resting calls as they are made now: a breaker may have changed them meanwhile
+                setattr(current, name, getattr(resting, name))
 
         return run
 
@@ -245,17 +245,17 @@ class Instrumentation:
         if sampler is None:
             return forward
         assert self._calls is not None
-        timed = self._calls.fanout(Variant.TIMED)
+        timing = self._calls.timing
 
         def sampled() -> Fanout:
             sampler.begin()
-            return timed
+            return timing
 
         return sampler.around(forward, self._run_as(operation, sampled, forward))
 
     def _traced(self, operation: Operation, forward: Callable[..., Any]) -> Callable[..., Any]:
-        """``forward`` calling the traced child calls. A traced call is counted down like any other, and timed
-        as well when it is the one its operation's sampler is due to time."""
+        """``forward`` calling the traced child calls (scheduler side). A traced call is counted down like any
+        other, and timed as well when it is the one its operation's sampler is due to time."""
         calls, sampler = self._calls, self.recorder.sampler(operation)
         assert calls is not None
         traced = calls.fanout(Variant.TRACED)
@@ -351,13 +351,12 @@ class Instrumentation:
 
     def _attach_worker(self) -> None:
         for name, operation, forward in self._forwarded_here():
-            untraced = self._counted_down(operation, forward)
-            traced = self._traced(operation, forward) if self._traced_in_steps(operation) else untraced
-            self._untraced_step[name] = self._with_tracker(name, untraced)
-            self._traced_step[name] = self._with_tracker(name, traced)
-            self._install(name, self._untraced_step[name])
-            if traced is not untraced:
-                self._traced_differs.append(name)
+            call = self._with_tracker(name, self._counted_down(operation, forward))
+            if name == "wait_for_save":
+                self._wait_for_save = call
+            self._install(name, call)
+        self._step_traces = frozenset(name for name, operation in OPERATIONS.items()
+                                      if operation.forwarded and self._traced_in_steps(operation))
         self._install("bind_connector_metadata", self._binding(self._forwards["bind_connector_metadata"]))
         self._install("clear_connector_metadata", self._clearing(self._forwards["clear_connector_metadata"]))
 
@@ -386,16 +385,12 @@ class Instrumentation:
             self._step, self._flush_at_take = metadata.step, metadata.flush_stats
             bind(metadata)
             if traced:  # the step moves a sampled request's KV: its traced operations run their traced calls
-                for name in self._traced_differs:
-                    self._install(name, self._traced_step[name])
-                self._step_installed.extend(self._traced_differs)
+                self._calls.trace_by_default(self._step_traces)  # type: ignore[union-attr]
             if transfers is not None:
                 if transfers.waits_for_loads:
                     self._calls.set_layer_load_marker(transfers.layer_waited)  # type: ignore[union-attr]
                 if transfers.saves_open:
-                    wait = self._traced_step["wait_for_save"] if traced else self._untraced_step["wait_for_save"]
-                    self._install("wait_for_save", self._completing_saves(wait))
-                    self._step_installed.append("wait_for_save")
+                    self._install("wait_for_save", self._completing_saves())
 
         return bind_connector_metadata
 
@@ -406,22 +401,24 @@ class Instrumentation:
                 self._transfers.end_step()
                 self._calls.set_layer_load_marker(None)  # type: ignore[union-attr]
             self.tracer.end_step()
-            if self._step_installed:  # back to what every step calls
-                for name in self._step_installed:
-                    self._install(name, self._untraced_step[name])
-                self._step_installed.clear()
+            self._calls.trace_by_default(frozenset())  # type: ignore[union-attr]
+            if self._completing_saves_of_step:  # the step had no wait_for_save
+                self._stop_completing_saves()
 
         return clear_connector_metadata
 
-    def _completing_saves(self, wait: Callable[[], None]) -> Callable[[], None]:
+    def _completing_saves(self) -> Callable[[], None]:
         """wait_for_save of a step with sync saves: once it returns, they are done (or, if the step's load
         failed and the composite stopped its layer saves, aborted). Once per step."""
+        wait = self._wait_for_save
+        assert wait is not None
+        self._completing_saves_of_step = True
 
         def wait_for_save() -> None:
             try:
                 wait()
             finally:
-                self._install("wait_for_save", wait)
+                self._stop_completing_saves()
                 transfers, calls = self._tracker(), self._calls
                 assert calls is not None
                 if calls.layer_saves:
@@ -430,6 +427,10 @@ class Instrumentation:
                     transfers.saves_skipped()
 
         return wait_for_save
+
+    def _stop_completing_saves(self) -> None:
+        self._install("wait_for_save", self._wait_for_save)  # type: ignore[arg-type]
+        self._completing_saves_of_step = False
 
     def _giving_back(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """get_transfer_results: async loads the composite reported failed end as failed transfers."""
