@@ -20,11 +20,13 @@ A round (tiny model, greedy, ``ignore_eos``):
   tokens per second of wall time and per second of this process's CPU time
   (all its threads: the span exporter's too);
 - what the connector cost per output token of the batch: time inside its
-  calls, time in the front-end's Prometheus update for it
+  calls (and, of that, inside its children's own calls), time in the
+  front-end's Prometheus update for it
   (``benchmarks/stopwatch.py``), the CPU time of kvcompose's span outbox thread
   (it ships the spans, in this process) and of the span exporter process since
-  the previous round, per token generated since then. The outbox thread's CPU
-  during the one-token prompts is reported per first token too.
+  the previous round, per token generated since then. The time in the
+  connector and its children, and the outbox thread's CPU, during the
+  one-token prompts are reported per first token too.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.stopwatch import ENGINE, FRONT_END, exporter_cpu_s, outbox_thread_cpu_s
+from benchmarks.stopwatch import CHILDREN, ENGINE, FRONT_END, exporter_cpu_s, outbox_thread_cpu_s
 
 PROMPT_WORDS = 96
 # The median of this many per round: single prompts' times to first token vary by 5-10% on these machines,
@@ -84,13 +86,16 @@ class MeasuredEngine:
 
     def round(self) -> dict[str, Any]:
         ENGINE.reset()
+        CHILDREN.reset()
         outbox_before = outbox_thread_cpu_s()
         ttft_s = [self._generate([self._new()], 1)[0].metrics.first_token_latency for _ in range(TTFT_PROMPTS)]
         connector_us_per_first_token = 1e6 * ENGINE.seconds / TTFT_PROMPTS
+        children_us_per_first_token = 1e6 * CHILDREN.seconds / TTFT_PROMPTS
         outbox_after_first = outbox_thread_cpu_s()
         repeated = self._seen[-(BATCH // 2):]
         prompts = repeated + [self._new() for _ in range(BATCH - len(repeated))]
         ENGINE.reset()
+        CHILDREN.reset()
         FRONT_END.reset()
         began, began_cpu = time.perf_counter(), time.process_time()
         outputs = self._generate(prompts, OUTPUT_TOKENS)
@@ -102,8 +107,10 @@ class MeasuredEngine:
         return {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / elapsed_cpu,
                 "ttft_ms": 1000 * statistics.median(ttft_s),
                 "connector_us_per_first_token": connector_us_per_first_token,
+                "children_us_per_first_token": children_us_per_first_token,
                 "outbox_us_per_first_token": 1e6 * (outbox_after_first - outbox_before) / TTFT_PROMPTS,
                 "connector_us_per_token": 1e6 * ENGINE.seconds / tokens,
+                "children_us_per_token": 1e6 * CHILDREN.seconds / tokens,
                 "connector_us_per_token_by_call": {call: 1e6 * seconds / tokens
                                                    for call, seconds in ENGINE.by_call.items()},
                 "front_end_us_per_token": 1e6 * FRONT_END.seconds / tokens,

@@ -1,14 +1,20 @@
 """Connector classes for the benchmark that keep a stopwatch on every call vLLM makes into them.
 
 The end-to-end benchmark names ``kv_connector_module_path: benchmarks.stopwatch``
-for MultiConnector and KVComposeConnector, so vLLM loads the same-named
-subclasses below (the configured name stays, and with it vLLM's special
-handling of "MultiConnector"), and each configuration also reports, in the
-same rounds as its throughput, how long its engine spent inside the
-connector (scheduler and worker side: ``ENGINE``) and how long the front-end
-spent putting the connector's stats into Prometheus (``FRONT_END``). On a
-shared machine throughput swings by 10% or more between rounds; the time
-spent in the connector is far steadier, and it is what kvcompose adds.
+for MultiConnector and KVComposeConnector, and for their ExampleConnector
+children, so vLLM (and kvcompose) load the same-named subclasses below (the
+configured name stays, and with it vLLM's special handling of
+"MultiConnector"), and each configuration also reports, in the same rounds as
+its throughput, how long its engine spent inside the connector (scheduler and
+worker side: ``ENGINE``), how much of that the children spent in their own
+calls (``CHILDREN``), and how long the front-end spent putting the
+connector's stats into Prometheus (``FRONT_END``). On a shared machine
+throughput swings by 10% or more between rounds; the time spent in the
+connector is far steadier, and it is what kvcompose adds. Steadier still is
+the framework's part of it (the connector's time less its children's): the
+children do the same work under either framework, yet two engines' children
+(files on ``/dev/shm``, each process's luck with its caches) read tens of us
+per prompt apart.
 
 A call made from inside another timed call (``get_finished`` asks
 ``get_transfer_results``) counts once, in the outer one.
@@ -24,6 +30,7 @@ from pathlib import Path
 from types import MethodType
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector as vllm_example_connector
 from vllm.distributed.kv_transfer.kv_connector.v1 import multi_connector as vllm_multi_connector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
@@ -71,6 +78,7 @@ class Stopwatch:
 
 
 ENGINE = Stopwatch()
+CHILDREN = Stopwatch()
 FRONT_END = Stopwatch()
 
 
@@ -124,9 +132,9 @@ def outbox_thread_cpu_s() -> float:
     return 0.0
 
 
-def timed_connector_class(base: type[KVConnectorBase_V1]) -> type[KVConnectorBase_V1]:
-    """A same-named subclass of ``base`` whose every connector operation, and its Prometheus update, runs on the
-    stopwatch.
+def timed_connector_class(base: type[KVConnectorBase_V1], stopwatch: Stopwatch = ENGINE) -> type[KVConnectorBase_V1]:
+    """A same-named subclass of ``base`` whose every connector operation runs on ``stopwatch``, and its Prometheus
+    update on ``FRONT_END``.
 
     Operations are timed where vLLM finds them: the class's methods, and any callable the connector sets on
     its instance under an operation's name (kvcompose's instrumentation installs its metrics, tracing and
@@ -143,11 +151,12 @@ def timed_connector_class(base: type[KVConnectorBase_V1]) -> type[KVConnectorBas
     def __setattr__(self: Any, name: str, value: Any) -> None:
         if name in timed_operations and callable(value):
             # A bound method stays one: kvcompose's sampler reads its __func__ and __self__.
-            value = (MethodType(ENGINE.time(value.__func__, name), value.__self__) if isinstance(value, MethodType)
-                     else ENGINE.time(value, name))
+            value = (MethodType(stopwatch.time(value.__func__, name), value.__self__) if isinstance(value, MethodType)
+                     else stopwatch.time(value, name))
         base.__setattr__(self, name, value)
 
-    namespace: dict[str, Any] = {operation: ENGINE.time(getattr(base, operation)) for operation in timed_operations}
+    namespace: dict[str, Any] = {operation: stopwatch.time(getattr(base, operation))
+                                 for operation in timed_operations}
     namespace["build_prom_metrics"] = classmethod(build_prom_metrics)
     namespace["__setattr__"] = __setattr__
     return type(base.__name__, (base,), namespace)
@@ -155,3 +164,4 @@ def timed_connector_class(base: type[KVConnectorBase_V1]) -> type[KVConnectorBas
 
 MultiConnector = timed_connector_class(vllm_multi_connector.MultiConnector)
 KVComposeConnector = timed_connector_class(kvcompose_connectors.KVComposeConnector)
+ExampleConnector = timed_connector_class(vllm_example_connector.ExampleConnector, CHILDREN)
