@@ -9,6 +9,8 @@ from typing import Any
 
 from kvcompose.tracing.outbox import Outbox, drain_for, force_flush
 
+from .span_support import wait_until
+
 
 class Collected:
     def __init__(self, fail_first: int = 0) -> None:
@@ -45,6 +47,8 @@ def test_records_appended_while_drains_run_are_each_shipped_once_in_order() -> N
         append = outbox.append  # as the tracer's span runners hold it
         for index in range(count):
             append(index)
+            if index == count // 2:  # a drain for sure mid-stream: a busy machine may not schedule the drainer
+                wait_until(lambda: bool(receiver.batches))
         done.set()
         drainer.join()
     finally:

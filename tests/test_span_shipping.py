@@ -14,6 +14,7 @@ from kvcompose.tracing.sampling import Sampling, sampling_for
 from kvcompose.tracing.shipping import ProcessShipper
 
 from .otlp_support import start_receiver
+from .span_support import wait_until
 
 
 def _records(shipper: ProcessShipper, count: int, trace_id: int) -> list[tuple]:
@@ -21,14 +22,6 @@ def _records(shipper: ProcessShipper, count: int, trace_id: int) -> list[tuple]:
                                           ("kvcompose.tokens.matched",))
     now = time.time_ns()
     return [tuple(SpanRecord(template, trace_id, IDS.span_id(), 7, now, now + 1000, "r1", (i,))) for i in range(count)]
-
-
-def _wait_for(condition: Any, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.05)
 
 
 def test_the_exporter_process_exports_records_as_spans_with_their_ids() -> None:
@@ -87,7 +80,7 @@ def test_a_collector_outage_drops_and_counts_with_bounded_memory() -> None:
             dropped += gained
             return dropped >= 20_000 - 4096 and queued <= 4096
 
-        _wait_for(counted)
+        wait_until(counted, poll_s=0.05)
     finally:
         shipper.close()
 
