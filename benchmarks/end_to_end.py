@@ -116,8 +116,9 @@ def kv_transfer_config(name: str, stores: Path, endpoints: dict[str, str]) -> di
     if name == "none":
         return None
     if name in ("multi", "multi_twin"):
-        children = [{"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_connector_module_path": STOPWATCH_MODULE,
-                     "kv_connector_extra_config": {"shared_storage_path": str(path)}} for path in tiers.values()]
+        children = [{"kv_connector": "ExampleConnector", "kv_connector_module_path": STOPWATCH_MODULE,
+                     "kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+                    for path in tiers.values()]
         config = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
                   "kv_connector_extra_config": {"connectors": children}}
     else:
@@ -239,7 +240,8 @@ def _ttft_from_cost(subject: dict[str, float], baseline: dict[str, float], frame
     in their connectors during a first token (``framework_only``: less their children's own calls), and their
     outbox threads' CPU meanwhile (the exporter's CPU is another process's, off that path)."""
     ttft_us = 1000 * baseline["ttft_ms"]
-    return (ttft_us - _first_token_cost(baseline, framework_only) + _first_token_cost(subject, framework_only)) / ttft_us
+    baseline_us, subject_us = _first_token_cost(baseline, framework_only), _first_token_cost(subject, framework_only)
+    return (ttft_us - baseline_us + subject_us) / ttft_us
 
 
 def _first_token_cost(figures: dict[str, float], framework_only: bool) -> float:
@@ -275,7 +277,8 @@ def table(result: dict[str, Any]) -> str:
              "| Prometheus update us/token | RSS growth MiB | peak RSS MiB | shutdown s |", "|" + " --- |" * 14]
     for name, figures in result["medians"].items():
         lines.append(f"| {name} | {figures['tokens_per_s']:.0f} | {figures['tokens_per_cpu_s']:.0f} | "
-                     f"{figures['ttft_ms']:.2f} | {figures[FIRST_TOKEN_COST]:.0f} | {figures[FIRST_TOKEN_CHILDREN]:.0f} | "
+                     f"{figures['ttft_ms']:.2f} | {figures[FIRST_TOKEN_COST]:.0f} | "
+                     f"{figures[FIRST_TOKEN_CHILDREN]:.0f} | "
                      f"{figures['connector_us_per_token']:.1f} | {figures[CHILDREN_COST]:.1f} | "
                      f"{figures['outbox_us_per_token']:.1f} | "
                      f"{figures['exporter_us_per_token']:.1f} | {figures['front_end_us_per_token']:.1f} | "

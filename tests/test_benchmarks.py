@@ -120,12 +120,15 @@ def test_end_to_end_summary_takes_ratios_within_each_round() -> None:
     # 140 us under MultiConnector and 200 under kvcompose: the frameworks cost 160 and 390.
     # The second round is a slower moment with the same ratios.
     rounds = [
-        {"none": figures(120), "multi": figures(100, 200, children_us=140), "multi_twin": figures(101, 200), "kvc_off": figures(100),
-         "kvc_request": figures(99), "kvc_step": figures(98, 380, 20, 200), "kvc_unreachable": figures(96)},
-        {"none": figures(60), "multi": figures(50, 200, children_us=140), "multi_twin": figures(49.5, 200), "kvc_off": figures(50),
-         "kvc_request": figures(49.5), "kvc_step": figures(49, 380, 20, 200), "kvc_unreachable": figures(48)},
-        {"none": figures(240), "multi": figures(200, 200, children_us=140), "multi_twin": figures(200, 200), "kvc_off": figures(200),
-         "kvc_request": figures(198), "kvc_step": figures(150, 380, 20, 200), "kvc_unreachable": figures(192)},
+        {"none": figures(120), "multi": figures(100, 200, 0, 140), "multi_twin": figures(101, 200),
+         "kvc_off": figures(100), "kvc_request": figures(99),
+         "kvc_step": figures(98, 380, 20, 200), "kvc_unreachable": figures(96)},
+        {"none": figures(60), "multi": figures(50, 200, 0, 140), "multi_twin": figures(49.5, 200),
+         "kvc_off": figures(50), "kvc_request": figures(49.5),
+         "kvc_step": figures(49, 380, 20, 200), "kvc_unreachable": figures(48)},
+        {"none": figures(240), "multi": figures(200, 200, 0, 140), "multi_twin": figures(200, 200),
+         "kvc_off": figures(200), "kvc_request": figures(198),
+         "kvc_step": figures(150, 380, 20, 200), "kvc_unreachable": figures(192)},
     ]
     stopped = {name: {"rss_growth_mib": 20.0 if name == "kvc_unreachable" else 10.0, "peak_rss_mib": 1800.0,
                       "start_s": 5.0, "shutdown_s": 0.5} for name in end_to_end.CONFIGURATIONS}
