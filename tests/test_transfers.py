@@ -82,6 +82,31 @@ def test_sync_load_and_saves_are_transfers_in_the_requests_trace(vllm_config_wit
     assert scheduler.request_state_sizes() == worker.request_state_sizes() == {}
 
 
+def test_a_steps_sync_saves_are_each_a_transfer_with_its_savers_outcome(vllm_config_with: Callable,
+                                                                       exporter: Any) -> None:
+    """Three new requests saved by two sync savers in one step (each saver's saves are recorded at once), the
+    hot one failing its wait_for_save: six transfers in the metrics and as spans."""
+    scheduler, worker = _pair(vllm_config_with, {"hot": {"raises": ["wait_for_save"]}, "cold": {}})
+    requests = [make_request(f"r{index}") for index in range(3)]
+    for request in requests:
+        _admit(scheduler, request)
+    _step(scheduler, worker, new=requests)
+
+    table = worker.get_kv_connector_stats().transfers
+    assert table.transfers("hot", "save") == table.failed("hot", "save", "failed") == 3
+    assert table.transfers("cold", "save") == 3
+    assert table.failed("cold", "save", "failed") == table.failed("cold", "save", "aborted") == 0
+    assert table.in_flight_change("hot", "save") == table.in_flight_change("cold", "save") == 0
+    assert len(table.exemplars) == 2  # a traced save's trace, in each saver's bucket
+    assert sorted(map(_described, _transfers(exporter))) == [("cold", "save", "ok")] * 3 + [
+        ("hot", "save", "failed")] * 3
+    assert {span.attributes[attr.REQUEST_ID] for span in _transfers(exporter)} == {"r0", "r1", "r2"}
+    for request in requests:
+        scheduler.request_finished(request, [1, 2, 3])
+    _step(scheduler, worker, finished={request.request_id for request in requests})
+    assert worker.request_state_sizes() == {}
+
+
 def test_an_async_load_ends_when_its_child_reports_it(vllm_config_with: Callable, exporter: Any) -> None:
     cold = {"matches": {"r1": [[32, True]]}, "finished_recving": [[], ["r1"]]}
     scheduler, worker = _pair(vllm_config_with, {"hot": {}, "cold": cold})

@@ -129,7 +129,9 @@ class TransferTracker:
         self._recorder = recorder
         self._tracer = tracer
         self._step_loads: list[_Transfer] = []  # sync loads of the bound step
-        self._step_saves: list[_Transfer] = []  # sync saves of the bound step
+        # Sync saves of the bound step, each a (request id, blocks, span context or None), by every sync saver:
+        # they start at bind and end at the step's wait_for_save together, so each saver's are recorded at once.
+        self._step_saves: list[tuple[str, int, SpanContextIds | None]] = []
         self._load_end_ns = 0  # the step's last layer wait
         self._bound_at = 0  # when the step was bound (ns since the epoch)
         self._contexts: Mapping[str, SpanContextIds] = {}  # request id -> span context, of the bound step's traced
@@ -160,8 +162,12 @@ class TransferTracker:
             else:
                 self._step_loads.append(transfer)
                 self._step_load_blocks[req_id] = plan.block_ids
-        for req_id, blocks in (metadata.saves or {}).items():
-            self._step_saves += [self._start(child, "save", req_id, blocks) for child in self._savers]
+        if metadata.saves and self._savers:
+            contexts = self._contexts
+            self._step_saves += [(req_id, blocks, contexts.get(req_id) if contexts else None)
+                                 for req_id, blocks in metadata.saves.items()]
+            for child in self._savers:
+                self._recorder.started(child, "save", len(metadata.saves))
         for req_id, savers in (metadata.async_saves or {}).items():
             for child in savers:
                 if self._modes[child] == "finish":
@@ -190,18 +196,12 @@ class TransferTracker:
 
     def saves_waited(self) -> None:
         """The step's ``wait_for_save`` returned: its sync saves are done."""
-        end, failed = time_ns(), self._failed_children()
-        for transfer in self._step_saves:
-            self._end(transfer, end, "failed" if failed[transfer.child] else "ok")
-        self._step_saves = []
+        self._end_step_saves(time_ns(), aborted=False)
 
     def saves_skipped(self) -> None:
         """This step's sync saves will not complete (a load failed and the composite stopped the layer
         saves, or the step ended without a wait_for_save): they are aborted."""
-        end = time_ns()
-        for transfer in self._step_saves:
-            self._end(transfer, end, "aborted")
-        self._step_saves = []
+        self._end_step_saves(time_ns(), aborted=True)
 
     def load_errors(self, blocks: set[int]) -> None:
         self._load_error_blocks |= blocks
@@ -264,8 +264,9 @@ class TransferTracker:
             self._end_all_of(child, "aborted")
 
     def sizes(self) -> dict[str, int]:
-        entries = {"open_transfers": self._open, "step_transfers": self._step_loads + self._step_saves}
-        return {name: len(entries) for name, entries in entries.items() if entries}
+        sizes = {"open_transfers": len(self._open),
+                 "step_transfers": len(self._step_loads) + len(self._step_saves) * len(self._savers)}
+        return {name: size for name, size in sizes.items() if size}
 
     # ---- helpers ----
 
@@ -293,11 +294,36 @@ class TransferTracker:
         self._recorder.ended(transfer.child, transfer.direction, seconds, nbytes, outcome,
                              None if context is None else format(context.trace_id, "032x"))
         if context is not None:
-            if outcome == "failed" and not error_type:
-                error_type = (self._guards[transfer.child].last_error_type if self._failed_this_step(transfer.child)
-                              else FAILED_TRANSFER)
-            self._tracer.transfer(context, self._specs[transfer.child], transfer.req_id, transfer.direction,
-                                  transfer.start_ns, end_ns, transfer.blocks, nbytes, outcome, error_type or None)
+            self._span(transfer.child, transfer.direction, transfer.req_id, transfer.blocks, context,
+                       transfer.start_ns, end_ns, outcome, error_type)
+
+    def _end_step_saves(self, end_ns: int, aborted: bool) -> None:
+        """The step's sync saves end, each saver's at once (``aborted``, or done: failed where the saver
+        failed this step)."""
+        saves, self._step_saves = self._step_saves, []
+        if not saves:
+            return
+        failed = [] if aborted else self._failed_children()
+        start_ns = self._bound_at
+        seconds = (end_ns - start_ns) / 1e9 if end_ns > start_ns else 0.0
+        nbytes = sum(blocks for _, blocks, _ in saves) * self._block_bytes
+        traced = [(req_id, blocks, context) for req_id, blocks, context in saves if context is not None]
+        exemplar = format(traced[-1][2].trace_id, "032x") if traced else None
+        for child in self._savers:
+            outcome: Literal["ok", "failed", "aborted"] = "aborted" if aborted else "failed" if failed[child] else "ok"
+            self._recorder.ended(child, "save", seconds, nbytes, outcome, exemplar, len(saves))
+            for req_id, blocks, context in traced:
+                self._span(child, "save", req_id, blocks, context, start_ns, end_ns, outcome)
+
+    def _span(
+        self, child: int, direction: Literal["load", "save"], req_id: str, blocks: int, context: SpanContextIds,
+        start_ns: int, end_ns: int, outcome: Literal["ok", "failed", "aborted"], error_type: str = "",
+    ) -> None:
+        """A traced transfer's ``kvcompose.transfer`` span."""
+        if outcome == "failed" and not error_type:
+            error_type = self._guards[child].last_error_type if self._failed_this_step(child) else FAILED_TRANSFER
+        self._tracer.transfer(context, self._specs[child], req_id, direction, start_ns, end_ns, blocks,
+                              blocks * self._block_bytes, outcome, error_type or None)
 
     def _failed_children(self) -> list[bool]:
         """Per child: did it fail in this step (see :meth:`_failed_this_step`)?"""

@@ -28,6 +28,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Sequence
+from itertools import repeat
 from operator import add
 from typing import Any, Literal
 
@@ -164,9 +165,10 @@ class TransferTable:
 class TransferRecorder:
     """This process's transfers since the last :meth:`take`; records nothing when metrics are off.
 
-    ``started`` and ``ended`` append one entry each (atomic, so any thread may call them: a child may report
+    ``started`` and ``ended`` append their entries (atomic, so any thread may call them: a child may report
     a transfer done from its own); :meth:`take` copies them out under a lock and folds them into a
-    :class:`TransferTable`.
+    :class:`TransferTable`. Both take a count: transfers of one lane that start together, or end together
+    after the same time with the same outcome (a step's sync saves), are told at once.
     """
 
     def __init__(self, enabled: bool, child_names: Sequence[str], bounds: Sequence[float]) -> None:
@@ -176,24 +178,27 @@ class TransferRecorder:
         self._buckets = len(self._bounds) + 1
         self._lock = threading.Lock()
         # Filled in place: a lane (a transfer started), or (lane, seconds, bytes, failure index or -1,
-        # exemplar or None) (one ended).
+        # exemplar or None, transfers) (transfers ended).
         self._events: list[Any] = []
 
-    def started(self, child: int, direction: Direction) -> None:
-        """Child ``child`` (its index in the pipeline) began a transfer."""
+    def started(self, child: int, direction: Direction, count: int = 1) -> None:
+        """Child ``child`` (its index in the pipeline) began ``count`` transfers."""
         if self.enabled:
-            self._events.append(child * len(DIRECTIONS) + _DIRECTION_INDEX[direction])
+            lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
+            self._events.extend(repeat(lane, count))
 
     def ended(
         self, child: int, direction: Direction, seconds: float, nbytes: int, outcome: Outcome, trace_id: str | None,
+        count: int = 1,
     ) -> None:
-        """A transfer of child ``child`` ended after ``seconds``, having moved ``nbytes`` (whatever the outcome:
-        pass what moved). ``trace_id`` (32 hex digits), when the transfer was traced, becomes its bucket's exemplar."""
+        """``count`` transfers of child ``child`` ended after ``seconds`` each, having moved ``nbytes`` in all
+        (whatever the outcome: pass what moved). ``trace_id`` (32 hex digits), when one of them was traced,
+        becomes their bucket's exemplar."""
         if self.enabled:
             lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
             failure = -1 if outcome == "ok" else lane * len(FAILURES) + _FAILURE_INDEX[outcome]
             exemplar = [time.time(), trace_id, seconds] if trace_id else None
-            self._events.append((lane, seconds, nbytes, failure, exemplar))
+            self._events.append((lane, seconds, nbytes, failure, exemplar, count))
 
     def take(self) -> TransferTable | None:
         """The transfers since the last take, then start afresh; None if none ended and none started."""
@@ -208,17 +213,17 @@ class TransferRecorder:
             if type(event) is int:
                 table.in_flight[event] += 1
                 continue
-            lane, seconds, nbytes, failure, exemplar = event
+            lane, seconds, nbytes, failure, exemplar, count = event
             cell = lane * buckets + bisect_left(bounds, seconds)  # Prometheus' le: bound inclusive
-            table.in_flight[lane] -= 1
+            table.in_flight[lane] -= count
             if (entry := table.cells.get(cell)) is None:
-                table.cells[cell] = [1, seconds]
+                table.cells[cell] = [count, seconds * count]
             else:
-                entry[0] += 1
-                entry[1] += seconds
+                entry[0] += count
+                entry[1] += seconds * count
             table.moved_bytes[lane] += nbytes
             if failure >= 0:
-                table.failures[failure] += 1
+                table.failures[failure] += count
             if exemplar is not None:
                 table.exemplars[cell] = exemplar
         return table  # not empty: every event left a cell or a transfer in flight
