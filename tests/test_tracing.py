@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ from kvcompose.tracing.exporters import traces_url
 from kvcompose.tracing.records import IdSource
 
 from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
+from .span_support import wait_until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -210,9 +210,7 @@ def test_an_idle_engines_spans_are_shipped_by_the_outbox_thread_with_no_further_
     def shipped() -> dict[str, list[Any]]:  # read without the test's flush
         return _by_name(InMemorySpanExporter.get_finished_spans(exporter))
 
-    deadline = time.monotonic() + 50 * DRAIN_EVERY_S
-    while "kvcompose.request" not in shipped() and time.monotonic() < deadline:
-        time.sleep(DRAIN_EVERY_S / 4)
+    wait_until(lambda: "kvcompose.request" in shipped(), timeout_s=50 * DRAIN_EVERY_S, poll_s=DRAIN_EVERY_S / 4)
     spans = shipped()
     (request_span,) = spans["kvcompose.request"]
     assert request_span.attributes[attr.REQUEST_ID] == "r1"

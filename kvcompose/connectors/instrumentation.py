@@ -401,7 +401,8 @@ class Instrumentation:
                 self._transfers.end_step()
                 self._calls.set_layer_load_marker(None)  # type: ignore[union-attr]
             self.tracer.end_step()
-            self._calls.trace_by_default(frozenset())  # type: ignore[union-attr]
+            if self._step_traces:  # back to the plain calls (tracing off: a step never leaves them)
+                self._calls.trace_by_default(frozenset())  # type: ignore[union-attr]
             if self._completing_saves_of_step:  # the step had no wait_for_save
                 self._stop_completing_saves()
 
