@@ -125,6 +125,19 @@ def test_aggregate_does_not_modify_its_inputs(a: dict[str, Any], b: dict[str, An
     assert json.dumps(second.to_dict(), sort_keys=True) == before
 
 
+def test_a_table_taken_over_by_aggregate_is_copied_before_it_is_added_to() -> None:
+    # vLLM merges the scheduler's stats into the worker's every step: a worker without a call table takes the
+    # scheduler's as it is (no copy), and copies it only when merged into again.
+    scheduler = CallTable(CHILDREN, len(BOUNDS) + 1, {0: [1, 0.5]})
+    worker = KVComposeStats()
+    worker.aggregate(KVComposeStats(data={"calls": scheduler}))
+    assert worker.calls is scheduler
+    worker.aggregate(KVComposeStats(data={"calls": CallTable(CHILDREN, len(BOUNDS) + 1, {0: [2, 1.0]})}))
+    assert worker.calls is not scheduler
+    assert worker.calls.cells == {0: [3, 1.5]}
+    assert scheduler.cells == {0: [1, 0.5]}
+
+
 def test_tables_of_different_pipelines_do_not_merge() -> None:
     table = CallTable(("hot", "cold"), len(BOUNDS) + 1)
     with pytest.raises(ValueError, match="different pipelines"):

@@ -16,8 +16,9 @@ Its size is bounded by children x (operations + directions) x buckets, whatever 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -33,11 +34,19 @@ TRANSFERS_KEY = "transfers"
 TELEMETRY_KEY = "telemetry"
 
 
+class _Addable(Protocol):
+    def add(self, other: Any) -> None: ...
+
+
 @dataclass
 class KVComposeStats(KVConnectorStats):
     """Stats of every child, by pipeline name: kvcompose's own and the child's native ones."""
 
     data: dict[str, Any] = field(default_factory=dict)
+    # Keys of tables taken over from an ``other`` of :meth:`aggregate` as they are: vLLM merges stats it then
+    # discards (the scheduler's into the workers', each step's into the log's), so the copy that keeps
+    # ``other`` unmodified is made only if this object is merged into again.
+    _borrowed: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     @property
     def calls(self) -> CallTable | None:
@@ -100,20 +109,16 @@ class KVComposeStats(KVConnectorStats):
         }
 
     def aggregate(self, other: KVConnectorStats) -> KVComposeStats:
+        """Add ``other`` into this object (``other`` is not modified; a table this object lacks is shared with
+        it until this object is merged into again)."""
         if not isinstance(other, KVComposeStats):
             other = KVComposeStats.from_payload(other.data)
-        if other.calls is not None:
-            if self.calls is None:
-                self.calls = CallTable(other.calls.children, other.calls.buckets)
-            self.calls.add(other.calls)
-        if other.transfers is not None:
-            if self.transfers is None:
-                self.transfers = TransferTable(other.transfers.children, other.transfers.buckets)
-            self.transfers.add(other.transfers)
+        if (calls := other.calls) is not None:
+            self._add_table(CALLS_KEY, calls, lambda: CallTable(calls.children, calls.buckets))
+        if (transfers := other.transfers) is not None:
+            self._add_table(TRANSFERS_KEY, transfers, lambda: TransferTable(transfers.children, transfers.buckets))
         if other.telemetry is not None:
-            if self.telemetry is None:
-                self.telemetry = TelemetryCounters()
-            self.telemetry.add(other.telemetry)
+            self._add_table(TELEMETRY_KEY, other.telemetry, TelemetryCounters)
         for name, stats in other.native.items():
             mine_native = self.native.get(name)
             self.native[name] = stats if mine_native is None else mine_native.merged(stats)
@@ -126,7 +131,23 @@ class KVComposeStats(KVConnectorStats):
             }
         return self
 
+    def _add_table(self, key: str, theirs: _Addable, empty: Callable[[], _Addable]) -> None:
+        """Add ``theirs`` into this object's table ``key``: taken over as it is where there is none, copied
+        first where it was taken over."""
+        mine = self.data.get(key)
+        if mine is None:
+            self.data[key] = theirs
+            self._borrowed.add(key)
+            return
+        if key in self._borrowed:
+            self._borrowed.discard(key)
+            own = self.data[key] = empty()
+            own.add(mine)
+            mine = own
+        mine.add(theirs)
+
     def reset(self) -> None:
+        self._borrowed.clear()
         self.calls = None
         self.transfers = None
         self.telemetry = None
