@@ -162,12 +162,10 @@ class TransferTracker:
             else:
                 self._step_loads.append(transfer)
                 self._step_load_blocks[req_id] = plan.block_ids
-        if metadata.saves and self._savers:
+        if metadata.saves and self._savers:  # told to the recorder once they end (see _end_step_saves)
             contexts = self._contexts
             self._step_saves += [(req_id, blocks, contexts.get(req_id) if contexts else None)
                                  for req_id, blocks in metadata.saves.items()]
-            for child in self._savers:
-                self._recorder.started(child, "save", len(metadata.saves))
         for req_id, savers in (metadata.async_saves or {}).items():
             for child in savers:
                 if self._modes[child] == "finish":
@@ -311,7 +309,8 @@ class TransferTracker:
         exemplar = format(traced[-1][2].trace_id, "032x") if traced else None
         for child in self._savers:
             outcome: Literal["ok", "failed", "aborted"] = "aborted" if aborted else "failed" if failed[child] else "ok"
-            self._recorder.ended(child, "save", seconds, nbytes, outcome, exemplar, len(saves))
+            self._recorder.ended(child, "save", seconds, nbytes, outcome, exemplar, len(saves),
+                                 started_together=True)
             for req_id, blocks, context in traced:
                 self._span(child, "save", req_id, blocks, context, start_ns, end_ns, outcome)
 

@@ -161,12 +161,11 @@ class OperationSampler:
         self.begin()
         return True
 
-    def uncredited(self) -> int:
-        """Calls since the last timed call that no flush credited yet."""
-        return self._period - self._read() - self._credited
-
-    def credited(self, calls: int) -> None:
+    def take_uncredited(self) -> int:
+        """Calls since the last timed call that no flush credited yet; they count as credited now."""
+        calls = self._period - self._read() - self._credited
         self._credited += calls
+        return calls
 
     def time_next(self) -> None:
         """The next call is timed (everything before it has been credited)."""
@@ -256,13 +255,12 @@ class PipelineRecorder:
         with self._lock:
             self._fold_pending()
             for sampler in self._samplers.values():
-                if calls := sampler.uncredited():
+                if calls := sampler.take_uncredited():
                     for _, cell, seconds in sampler.last_call:
                         counts = self._bucketed.setdefault(cell, [0, 0.0])
                         counts[0] += calls
                         counts[1] += calls * seconds
                         self._counted = True
-                    sampler.credited(calls)
                 if resample:
                     if not sampler.timed_calls:
                         sampler.time_next()
@@ -339,6 +337,8 @@ class PipelineRecorder:
     def _fold_pending(self) -> None:
         """Sort the timed calls into their cells, for the next take (holding the lock). Calls appended
         meanwhile by other threads land after the ones taken, and stay."""
+        if not self._pending:
+            return
         entries = self._pending[:]
         del self._pending[: len(entries)]
         fold_timed_calls(entries, self._bounds, self._bucketed, list(self._samplers.values()))

@@ -178,7 +178,7 @@ class TransferRecorder:
         self._buckets = len(self._bounds) + 1
         self._lock = threading.Lock()
         # Filled in place: a lane (a transfer started), or (lane, seconds, bytes, failure index or -1,
-        # exemplar or None, transfers) (transfers ended).
+        # exemplar or None, transfers, of them those that were in flight) (transfers ended).
         self._events: list[Any] = []
 
     def started(self, child: int, direction: Direction, count: int = 1) -> None:
@@ -189,16 +189,18 @@ class TransferRecorder:
 
     def ended(
         self, child: int, direction: Direction, seconds: float, nbytes: int, outcome: Outcome, trace_id: str | None,
-        count: int = 1,
+        count: int = 1, started_together: bool = False,
     ) -> None:
         """``count`` transfers of child ``child`` ended after ``seconds`` each, having moved ``nbytes`` in all
         (whatever the outcome: pass what moved). ``trace_id`` (32 hex digits), when one of them was traced,
-        becomes their bucket's exemplar."""
+        becomes their bucket's exemplar. ``started_together``: they were not told :meth:`started`, since they
+        started since the last take and no take can fall between their start and end (a step's sync saves:
+        vLLM takes the stats after the step), so they were never in flight as the stats see it."""
         if self.enabled:
             lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
             failure = -1 if outcome == "ok" else lane * len(FAILURES) + _FAILURE_INDEX[outcome]
             exemplar = [time.time(), trace_id, seconds] if trace_id else None
-            self._events.append((lane, seconds, nbytes, failure, exemplar, count))
+            self._events.append((lane, seconds, nbytes, failure, exemplar, count, 0 if started_together else count))
 
     def take(self) -> TransferTable | None:
         """The transfers since the last take, then start afresh; None if none ended and none started."""
@@ -213,9 +215,9 @@ class TransferRecorder:
             if type(event) is int:
                 table.in_flight[event] += 1
                 continue
-            lane, seconds, nbytes, failure, exemplar, count = event
+            lane, seconds, nbytes, failure, exemplar, count, were_in_flight = event
             cell = lane * buckets + bisect_left(bounds, seconds)  # Prometheus' le: bound inclusive
-            table.in_flight[lane] -= count
+            table.in_flight[lane] -= were_in_flight
             if (entry := table.cells.get(cell)) is None:
                 table.cells[cell] = [count, seconds * count]
             else:
