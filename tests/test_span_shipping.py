@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from kvcompose.config import TracingSection
+from kvcompose.tracing.export_process import CHECK_ENGINE_S
 from kvcompose.tracing.records import IDS, SpanRecord
+from kvcompose.tracing.ring import SLEEPING
 from kvcompose.tracing.sampling import Sampling, sampling_for
 from kvcompose.tracing.shipping import ProcessShipper
 
@@ -62,6 +64,24 @@ def test_a_shipper_closed_and_used_again_ships_its_templates_to_the_new_exporter
 
     by_trace = sorted(span.trace_id for span in received)
     assert by_trace == sorted([format(first, "032x")] * 2 + [format(second, "032x")] * 3)
+
+
+def test_a_sleeping_exporter_is_woken_by_a_ship() -> None:
+    """An idle exporter sleeps (no polling) and checks its engine only every CHECK_ENGINE_S: records shipped
+    meanwhile must wake it at once, not wait for that check."""
+    receiver = start_receiver()
+    shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
+    try:
+        shipper.ship(_records(shipper, 2, IDS.trace_id()))
+        ring = shipper._ring  # the counters both processes share
+        assert ring is not None
+        for _ in range(3):  # each time: it took everything and fell asleep; a ship wakes it
+            wait_until(lambda: ring.counter(SLEEPING) == 1 and not ring.unread())
+            shipper.ship(_records(shipper, 2, IDS.trace_id()))
+            wait_until(lambda: not ring.unread(), timeout_s=CHECK_ENGINE_S / 2)
+    finally:
+        shipper.close()
+        receiver.stop()
 
 
 def test_a_collector_outage_drops_and_counts_with_bounded_memory() -> None:

@@ -2,10 +2,13 @@
 
 Started by :class:`kvcompose.tracing.shipping.ProcessShipper`, one per engine
 process that traces, so that building and encoding spans (most of tracing's
-cost) never runs on the engine's CPU. It polls the engine's :class:`Ring`
-(its path is the one argument; every 0.1 s while records arrive, backing off
-to once a second while none do, and at once when the engine closes its end of
-this process's stdin): the first frame holds the settings
+cost) never runs on the engine's CPU. It reads the engine's :class:`Ring` (its
+path is the one argument) when woken, and sleeps in between: the engine writes
+a byte to this process's stdin after shipping records if it finds this process
+asleep (the ring's ``sleeping`` counter), and closes stdin when it shuts down
+(or the kernel does, when it dies). A process wake-up costs about 0.1 ms of CPU
+on these machines, so an idle engine's exporter sleeps, checking only every
+:data:`CHECK_ENGINE_S` that its engine is still there. The first frame holds the settings
 (``service_name``, ``exporter``, ``endpoint``, ``version``), every later one
 is ``("t", [span templates])`` or ``("r", [span records])`` (see
 :mod:`kvcompose.tracing.records`). It writes the spans it dropped (queue full
@@ -36,7 +39,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from kvcompose.tracing.exporters import protobuf_transport, span_exporter
 from kvcompose.tracing.records import resource_for, to_readable_spans
-from kvcompose.tracing.ring import CLOSED, DROPPED, QUEUED, Ring
+from kvcompose.tracing.ring import CLOSED, DROPPED, QUEUED, SLEEPING, Ring
 
 MAX_QUEUED_SPANS = 4096
 EXPORT_BATCH = 512
@@ -44,8 +47,9 @@ EXPORT_BATCH = 512
 # batch processor waits 5 s). A request costs the exporter's client about 0.6 ms of CPU whatever its size,
 # and on a machine of few cores that CPU is taken from the engine's neighbour.
 EXPORT_INTERVAL_S = 2.0
-POLL_S = 0.1  # how often the ring is read while records arrive
-IDLE_POLL_S = 1.0  # ... backing off to this while none do (the ring holds far more than a second of spans)
+# Asleep with no news this long, the exporter checks that its engine (its parent) still runs: the engine's end
+# of stdin may live on in a process the engine forked, so its death need not close it.
+CHECK_ENGINE_S = 5.0
 SHUTDOWN_FLUSH_S = 2.0
 TEMPLATES_FRAME, RECORDS_FRAME = "t", "r"
 
@@ -108,7 +112,8 @@ class _Exporting:
         self._encoding = encoding
         self._queue: deque[Any] = deque()
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._spans_waiting = threading.Event()  # set while the queue holds spans
+        self._batch_full = threading.Event()  # ... EXPORT_BATCH of them
         self._done = threading.Event()
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="kvcompose-export", daemon=True)
@@ -129,8 +134,10 @@ class _Exporting:
             room = MAX_QUEUED_SPANS - len(self._queue)
             self._queue.extend(spans[:room])
             self.dropped += max(0, len(spans) - room) + unreadable
+            if self._queue:
+                self._spans_waiting.set()
             if len(self._queue) >= EXPORT_BATCH:
-                self._wake.set()
+                self._batch_full.set()
 
     @property
     def queued(self) -> int:
@@ -139,12 +146,15 @@ class _Exporting:
     def _take(self) -> list[Any]:
         with self._lock:
             batch = [self._queue.popleft() for _ in range(min(EXPORT_BATCH, len(self._queue)))]
+            if not self._queue:
+                self._spans_waiting.clear()
         return batch
 
     def _run(self) -> None:
         while not self._done.is_set():
-            self._wake.wait(EXPORT_INTERVAL_S)
-            self._wake.clear()
+            self._spans_waiting.wait()  # an empty queue sleeps until spans come
+            self._batch_full.wait(EXPORT_INTERVAL_S)  # they gather for a batch
+            self._batch_full.clear()
             while batch := self._take():
                 self._export(batch)
 
@@ -159,7 +169,8 @@ class _Exporting:
 
     def close(self) -> None:
         self._done.set()
-        self._wake.set()
+        self._spans_waiting.set()
+        self._batch_full.set()
         self._thread.join(SHUTDOWN_FLUSH_S)
         deadline = time.monotonic() + SHUTDOWN_FLUSH_S
         while time.monotonic() < deadline and (batch := self._take()):
@@ -167,11 +178,17 @@ class _Exporting:
         self._exporter.shutdown()
 
 
-def _wait_for_engine(seconds: float) -> bool:
-    """Sleep up to ``seconds``, woken early when the engine closes its end of this process's stdin (it
-    shuts down, or it died); True then."""
-    readable, _, _ = select.select([sys.stdin], [], [], seconds)
-    return bool(readable) and not os.read(sys.stdin.fileno(), 1)
+def _sleep(ring: Ring) -> bool:
+    """Sleep until the engine ships records, closes its end of this process's stdin (it shuts down, or it
+    died: True then), or :data:`CHECK_ENGINE_S` pass."""
+    ring.set_counter(SLEEPING, 1)
+    try:
+        if ring.unread():  # shipped after the last take, maybe before the engine could see this process asleep
+            return False
+        readable, _, _ = select.select([sys.stdin], [], [], CHECK_ENGINE_S)
+        return bool(readable) and not os.read(sys.stdin.fileno(), 4096)  # the wake-up bytes, or end of file
+    finally:
+        ring.set_counter(SLEEPING, 0)
 
 
 def main() -> None:
@@ -181,12 +198,10 @@ def main() -> None:
     engine = os.getppid()
     settings: dict[str, Any] | None = None
     exporting: _Exporting | None = None
-    poll_s, engine_gone = POLL_S, False
+    engine_gone = False
     while True:
         closing = engine_gone or ring.counter(CLOSED) or os.getppid() != engine
-        frames = ring.take()
-        poll_s = POLL_S if frames else min(2 * poll_s, IDLE_POLL_S)
-        for frame in frames:
+        for frame in ring.take():
             if settings is None:
                 settings = frame
                 exporter = span_exporter(settings["exporter"], settings["endpoint"])
@@ -201,7 +216,7 @@ def main() -> None:
             ring.set_counter(QUEUED, exporting.queued)
         if closing:
             break
-        engine_gone = _wait_for_engine(poll_s)
+        engine_gone = _sleep(ring)
     if exporting is not None:
         exporting.close()
 

@@ -1,13 +1,16 @@
 """A byte ring in a shared file, from one engine process to its exporter process.
 
 One writer (the engine process) appends frames without a system call; one
-reader (the exporter process) polls for them. The header holds four counters,
-each an 8-byte aligned little-endian integer:
+reader (the exporter process) takes them when woken. The header holds six
+counters, each an 8-byte aligned little-endian integer:
 
 - ``written`` and ``read``: bytes ever appended and consumed (the ring's free
   room is its size less their difference); each side only writes its own.
 - ``dropped`` and ``queued``: the exporter's count of spans it dropped and of
   spans waiting for export, read by the engine for its metrics.
+- ``closed``: set by the engine when it shuts down.
+- ``sleeping``: set by the reader while it sleeps, so that the writer wakes it
+  (through a pipe of their own) only then.
 
 A frame is a 4-byte length and a ``marshal`` payload, wrapping at the end of
 the data area. The writer stores the payload before it advances ``written``;
@@ -25,7 +28,7 @@ from typing import Any
 
 _COUNTER = struct.Struct("<Q")
 _LENGTH = struct.Struct("<I")
-WRITTEN, READ, DROPPED, QUEUED, CLOSED = (index * _COUNTER.size for index in range(5))
+WRITTEN, READ, DROPPED, QUEUED, CLOSED, SLEEPING = (index * _COUNTER.size for index in range(6))
 HEADER_BYTES = 64
 DEFAULT_DATA_BYTES = 4 << 20
 
@@ -105,6 +108,10 @@ class Ring:
             read += _LENGTH.size + length
         self.set_counter(READ, read)
         return values
+
+    def unread(self) -> bool:
+        """True when frames were appended since the last take."""
+        return self.counter(WRITTEN) != self.counter(READ)
 
     def _copy_out(self, at: int, length: int) -> bytes:
         first = min(length, self._size - at)

@@ -6,7 +6,8 @@ a second's records), off the engine's thread. By default each engine process
 that traces starts one exporter process
 (:mod:`kvcompose.tracing.export_process`) per tracing section and appends its
 records to a shared-memory :class:`~kvcompose.tracing.ring.Ring` that the
-exporter polls: a batch costs a ``marshal`` and a copy, no system call. When
+exporter reads: a batch costs a ``marshal`` and a copy, and a one-byte write
+that wakes the exporter only if it sleeps (at most once a ship). When
 the ring is full (the exporter is behind, or gone) the batch is dropped and
 counted. :func:`set_span_exporter` replaces that, for the whole process, with
 an exporter called in-process (tests, embedders).
@@ -32,7 +33,7 @@ from kvcompose.tracing import export_process
 from kvcompose.tracing.export_process import RECORDS_FRAME, TEMPLATES_FRAME
 from kvcompose.tracing.outbox import Outbox, drain_for
 from kvcompose.tracing.records import SpanRecord, Templates, resource_for, to_readable_spans
-from kvcompose.tracing.ring import CLOSED, DROPPED, QUEUED, READ, Ring
+from kvcompose.tracing.ring import CLOSED, DROPPED, QUEUED, READ, SLEEPING, Ring
 
 SHUTDOWN_WAIT_S = 2.5  # the exporter process flushes for at most 2 s
 STARTUP_WAIT_S = 10.0  # for an exporter process still starting when the engine shuts down
@@ -107,6 +108,7 @@ class ProcessShipper(_OutboxesShipped):
         self.templates = Templates()
         self._ring: Ring | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        self._wake_fd = -1  # the exporter's stdin, written to wake it
         # Spans dropped by this side (counted by the outboxes' thread), and as telemetry() last reported them;
         # two counters, each written by one thread.
         self._dropped = self._reported_own = 0
@@ -122,6 +124,15 @@ class ProcessShipper(_OutboxesShipped):
         self.templates.mark_shipped()
         if not self._ring.append((RECORDS_FRAME, records)):
             self._dropped += len(records)
+        elif self._ring.counter(SLEEPING):
+            self._wake_exporter()
+
+    def _wake_exporter(self) -> None:
+        """A byte on the exporter's stdin wakes it. Never blocks: a full pipe already holds a wake-up."""
+        try:
+            os.write(self._wake_fd, b"\1")
+        except OSError:  # BlockingIOError (full), BrokenPipeError (it exited): nothing to wake
+            pass
 
     def _start(self) -> None:
         self._ring = Ring.create(_SHARED_MEMORY if os.path.isdir(_SHARED_MEMORY) else tempfile.gettempdir())
@@ -133,6 +144,9 @@ class ProcessShipper(_OutboxesShipped):
             [sys.executable, "-m", export_process.__name__, self._ring.path],
             stdin=subprocess.PIPE, env=env, close_fds=True, start_new_session=True,
         )
+        assert self._process.stdin is not None
+        self._wake_fd = self._process.stdin.fileno()
+        os.set_blocking(self._wake_fd, False)
         atexit.register(self.close)
 
     def telemetry(self) -> tuple[int, int]:
