@@ -194,7 +194,7 @@ def test_an_idle_engines_spans_are_shipped_by_the_outbox_thread_with_no_further_
     vllm_config_with: Callable, exporter: Any
 ) -> None:
     """An idle scheduler schedules no step, and nothing on the engine's thread ships: the outbox's thread
-    takes what the sampled request recorded within a drain interval (an unsampled last request once left
+    takes what the sampled request recorded within a (backed-off) drain interval (an unsampled last request once left
     them waiting for the next request)."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
