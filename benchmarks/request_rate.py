@@ -14,6 +14,10 @@ apart: it is not the engine's core, but it is a core's share all the same.
 A life that starts after a sleep finds colder caches than one that follows
 another, so per request it costs more than ``benchmarks/request_cost.py``'s
 back-to-back figure; the sleeping itself is in every subject's share alike.
+
+Rate 0 is an idle engine right after traffic: no request, only what kvcompose's
+threads and exporter process do on their own (wake-ups cost about 0.1 ms of
+CPU each on these machines).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from benchmarks.request_life import SUBJECTS, Collector, live, rotated, subjects
 from benchmarks.stopwatch import exporter_cpu_s
 from kvcompose.tracing import force_flush
 
-RATES = (100, 1000)  # requests/s
+RATES = (0, 100, 1000)  # requests/s; 0: idle
 CHILDREN = 2
 SECONDS = 2.5  # per subject, rate and round
 
@@ -44,8 +48,9 @@ def _drive(connector: Any, rate: int, seconds: float, prefix: str) -> dict[str, 
     for index in range(count):
         _sleep_until(start + index / rate)
         live(connector, f"{prefix}-{index}")
-    force_flush()  # the spans of the window's last 0.1 s, which the outboxes' thread would ship in the next one
-    _sleep_until(start + count / rate)
+    if count:
+        force_flush()  # the spans of the window's last 0.1 s, which the outboxes' thread would ship in the next one
+    _sleep_until(start + (count / rate if rate else seconds))
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu
     return {"core_share": cpu / wall, "exporter_share": (exporter_cpu_s() - exporter) / wall,
@@ -83,7 +88,7 @@ def table(rows: list[dict[str, Any]]) -> str:
              "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         achieved = " / ".join(f"{row['achieved_per_s'][name]:.0f}" for name in SUBJECTS)
-        lines.append(f"| {row['rate']} | {row['core_share']['multi']:.2%} | {row['extra_share']['kvc_off']:+.2%} | "
+        lines.append(f"| {row['rate'] or '0 (idle)'} | {row['core_share']['multi']:.2%} | {row['extra_share']['kvc_off']:+.2%} | "
                      f"{row['extra_share']['kvc_traced']:+.2%} | {achieved} | "
                      f"{row['exporter_share']['kvc_traced']:.2%} |")
     exports = rows[0]["sink_exports"] if rows else 0
