@@ -73,6 +73,10 @@ class Operation:
     # calls every child; a kvcompose child may be told not to load or save).
     children: Literal["all", "loaders", "savers"] = "all"
     hma_only: bool = False  # only connectors that support the hybrid KV cache manager have it
+    # KVConnectorBase_V1's own implementation answers a constant (None, (), False) and changes nothing: a child
+    # whose class inherits it is not called, the composite answering as if it had been. (The composite's loop
+    # over the operation must not pair its calls with the children by position.)
+    skip_inherited: bool = False
 
     @property
     def span_name(self) -> str:
@@ -139,15 +143,15 @@ _DECLARED: tuple[Operation, ...] = (
     Operation("request_finished_all_groups", _S, _REQUEST, "request_finished", traced=True, data_path=True,
               fallback=lambda: (False, None), attributes=_FINISHED, describe=_finished_all_groups, hma_only=True),
     Operation("register_finished_partial_tail", _S, _REQUEST, traced=True),
-    Operation("take_events", _S, _STEP, fallback=tuple, iterated=True),
-    Operation("has_pending_block_frees", _S, _STEP, fallback=lambda: False),
-    Operation("has_pending_push_work", _S, _STEP, fallback=lambda: False),
+    Operation("take_events", _S, _STEP, fallback=tuple, iterated=True, skip_inherited=True),
+    Operation("has_pending_block_frees", _S, _STEP, fallback=lambda: False, skip_inherited=True),
+    Operation("has_pending_push_work", _S, _STEP, fallback=lambda: False, skip_inherited=True),
     Operation("bind_kv_cache_manager", _S, _STARTUP),
     Operation("bind_gpu_block_pool", _S, _STARTUP),
     Operation("set_xfer_handshake_metadata", _S, _STARTUP),
     Operation("set_xfer_handshake_metadata_pp_aware", _S, _STARTUP),
     Operation("reset_cache", _S, _OCCASIONAL, fallback=lambda: False),
-    Operation("get_kv_connector_stats", _BOTH, _STEP, fallback=_nothing),
+    Operation("get_kv_connector_stats", _BOTH, _STEP, fallback=_nothing, skip_inherited=True),
     # ---- worker side ----
     Operation("register_kv_caches", _W, _STARTUP),
     Operation("set_host_xfer_buffer_ops", _W, _STARTUP),
@@ -163,8 +167,8 @@ _DECLARED: tuple[Operation, ...] = (
               attributes=(attr.LAYER,), describe=_layer, keywords=True, children="savers"),
     Operation("wait_for_save", _W, _STEP, "wait_for_save", traced=True, data_path=True, fallback=_nothing,
               children="savers"),
-    Operation("finish_forward", _W, _STEP, fallback=_nothing),
-    Operation("reset_capture_state", _W, _STEP),
+    Operation("finish_forward", _W, _STEP, fallback=_nothing, skip_inherited=True),
+    Operation("reset_capture_state", _W, _STEP, skip_inherited=True),
     # The composite asks get_transfer_results; get_finished is its older form.
     Operation("get_finished", _W, _STEP, forwarded=False),
     Operation("get_transfer_results", _W, _STEP, "get_transfer_results", traced=True, data_path=True,

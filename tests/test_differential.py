@@ -363,3 +363,39 @@ def test_child_that_cannot_start_is_named(vllm_config_with: Callable, bad: str) 
                                "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
     with pytest.raises(ChildStartupError, match=r"child 'broken' \(children\[0\], RecordingConnector"):
         KVComposeConnector(config, KVConnectorRole.SCHEDULER, None)
+
+
+def test_a_child_keeping_the_base_classs_constant_answer_is_not_asked(
+    vllm_config_with: Callable, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Operations whose KVConnectorBase_V1 implementation answers a constant (``skip_inherited``): the
+    composite answers it without calling a child that inherits it, where MultiConnector calls every child
+    (a call per child and step saved). The answers are the same."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvcompose.operations import OPERATIONS
+
+    inherited = [name for name, operation in OPERATIONS.items() if operation.skip_inherited
+                 and name not in vars(recording.RecordingConnector) and hasattr(KVConnectorBase_V1, name)]
+    assert inherited, "the recording child overrides every such operation: nothing to check"
+    asked: dict[str, int] = {}
+    for name in inherited:  # the base's own answers, counted (children inherit the counting method)
+        def base_answer(self: Any, *args: Any, _base: Callable[..., Any] = getattr(KVConnectorBase_V1, name),
+                        _name: str = name) -> Any:
+            asked[_name] = asked.get(_name, 0) + 1
+            return _base(self, *args)
+
+        monkeypatch.setattr(KVConnectorBase_V1, name, base_answer)
+
+    def scenario(side: Side) -> list[Any]:
+        return [getattr(connector, name)() for name in inherited for connector in (side.scheduler, side.worker)
+                if OPERATIONS[name].side.value in ("both", "scheduler" if connector is side.scheduler else "worker")]
+
+    scripts: dict[str, dict[str, Any]] = {"hot": {}, "cold": {}}
+    multi = _run(scenario, _build("multi", scripts, vllm_config_with, "first_match"))
+    asked_by_multi, asked = asked, {}
+    compose = _run(scenario, _build("compose", scripts, vllm_config_with, "first_match", metrics=False))
+    assert compose == multi
+    assert asked_by_multi == {name: len(scripts) * (2 if OPERATIONS[name].side.value == "both" else 1)
+                              for name in inherited}
+    assert asked == {}

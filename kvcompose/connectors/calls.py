@@ -5,7 +5,8 @@ else, so forwarding costs what MultiConnector's loops cost. Each tuple holds one
 call per child that takes part in the operation (``Operation.children``:
 every child, the loaders or the savers; per-layer operations leave out a
 child whose circuit is not closed, and no child saves a layer while
-:attr:`ChildCalls.layer_saves` is off).
+:attr:`ChildCalls.layer_saves` is off; ``Operation.skip_inherited`` leaves
+out a child that keeps the base class's constant answer).
 
 Each child's call is made here, at start-up and again whenever its breaker
 changes how it must be made (:meth:`ChildCalls.rebuild`), in up to four
@@ -174,6 +175,8 @@ class ChildCalls:
 
     def _takes_part(self, child: Child, operation: Operation) -> bool:
         if (operation.children == "loaders" and not child.load) or (operation.children == "savers" and not child.save):
+            return False
+        if operation.skip_inherited and child.inherits(operation.name):
             return False
         if operation.granularity is Granularity.LAYER:  # a probe is never a per-layer call
             return child.guard.closed and (operation.name != "save_kv_layer" or self._layer_saves)

@@ -142,3 +142,8 @@ class Child:
         self.load = spec.config.load
         self.save = spec.config.save
         self.class_path = class_path(spec.connector_cls)
+
+    def inherits(self, operation: str) -> bool:
+        """Does the child keep KVConnectorBase_V1's own implementation of ``operation``?"""
+        return (operation not in vars(self.connector)
+                and getattr(type(self.connector), operation, None) is getattr(KVConnectorBase_V1, operation, None))

@@ -365,12 +365,13 @@ class KVComposeConnector(KVConnectorBase_V1):
         """Each child's own stats and its breaker's report, and (with metrics on) kvcompose's tables, since
         the last call."""
         native = {}
-        for child, get_stats in zip(self.children, self._calls.get_kv_connector_stats, strict=True):
+        for get_stats in self._calls.get_kv_connector_stats:  # the children that keep stats of their own
             try:
                 child_stats = get_stats()
             except Exception as error:
                 child_stats = self._answer(_STATS, get_stats, error)
             if child_stats is not None and not child_stats.is_empty():
+                child = self._child_calls.owner(_STATS, get_stats)
                 native[child.name] = NativeStats(child.class_path, child_stats)
         breakers = {}
         if self._open_guards or self._breakers_changed:  # else every circuit is closed and was at the last report
