@@ -138,9 +138,14 @@ def timed_connector_class(base: type[KVConnectorBase_V1], stopwatch: Stopwatch =
 
     Operations are timed where vLLM finds them: the class's methods, and any callable the connector sets on
     its instance under an operation's name (kvcompose's instrumentation installs its metrics, tracing and
-    transfer tracking that way, around the class's methods), so the time counted is all the connector's."""
-    timed_operations = frozenset(operation for operation in CONNECTOR_OPERATIONS
-                                 if operation != "shutdown" and hasattr(base, operation))
+    transfer tracking that way, around the class's methods), so the time counted is all the connector's.
+    Not KVConnectorBase_V1's own methods, which a class inherits: kvcompose leaves a child's inherited constant
+    answer uncalled (``Operation.skip_inherited``) where MultiConnector calls it, and that call is the
+    framework's cost, not the child's."""
+    timed_operations = frozenset(
+        operation for operation in CONNECTOR_OPERATIONS
+        if operation != "shutdown" and getattr(base, operation, None) not in (None, getattr(KVConnectorBase_V1,
+                                                                                           operation, None)))
 
     def build_prom_metrics(cls: type, *args: Any, **kwargs: Any) -> Any:
         metrics = base.build_prom_metrics.__func__(cls, *args, **kwargs)  # type: ignore[attr-defined]
