@@ -119,6 +119,7 @@ class Instrumentation:
         self._ledger: SchedulerLedger | None = None
         self._forwards: dict[str, Callable[..., Any]] = {}  # method -> the composite's own, bound
         self._chosen_forwards: set[str] = set()  # ... those the composite chose on its instance
+        self._installed: set[str] = set()  # methods this instrumentation set on the composite's instance
         self._wait_for_save: Callable[[], None] | None = None  # worker: what vLLM calls, but in a step with sync saves
         self._completing_saves_of_step = False  # worker: the bound step's wait_for_save completes its sync saves
         self._step_traces: frozenset[str] = frozenset()  # worker: the operations a traced step traces
@@ -210,17 +211,22 @@ class Instrumentation:
         composite = self._composite
         for name, operation in OPERATIONS.items():
             if operation.forwarded and operation.side in (self._side, Side.BOTH):
-                if name in vars(composite):
-                    self._chosen_forwards.add(name)
                 forward = self._forwards[name] = getattr(composite, name)
+                if getattr(forward, "__func__", None) is not getattr(type(composite), name):
+                    self._chosen_forwards.add(name)
                 yield name, operation, forward
 
     def _install(self, name: str, call: Callable[..., Any]) -> None:
-        """vLLM's calls of the composite's method ``name`` go to ``call`` from now on."""
+        """vLLM's calls of the composite's method ``name`` go to ``call`` from now on. (Never through
+        ``vars()``: a materialised instance ``__dict__`` makes every attribute read of the composite's own
+        slower, in every call it forwards.)"""
         if call is self._forwards.get(name) and name not in self._chosen_forwards:
-            vars(self._composite).pop(name, None)  # the class's own method
+            if name in self._installed:
+                delattr(self._composite, name)  # the class's own method again
+                self._installed.discard(name)
         else:
             setattr(self._composite, name, call)
+            self._installed.add(name)
 
     def _run_as(self, operation: Operation, choose: Callable[[], Fanout],
                 forward: Callable[..., Any]) -> Callable[..., Any]:
