@@ -379,10 +379,11 @@ def test_a_child_keeping_the_base_classs_constant_answer_is_not_asked(
                  and name not in vars(recording.RecordingConnector) and hasattr(KVConnectorBase_V1, name)]
     assert inherited, "the recording child overrides every such operation: nothing to check"
     asked: dict[str, int] = {}
-    for name in inherited:  # the base's own answers, counted (children inherit the counting method)
+    for name in inherited:  # the base's own answers, counted when a child is asked (children inherit the method)
         def base_answer(self: Any, *args: Any, _base: Callable[..., Any] = getattr(KVConnectorBase_V1, name),
                         _name: str = name) -> Any:
-            asked[_name] = asked.get(_name, 0) + 1
+            if isinstance(self, recording.RecordingConnector):
+                asked[_name] = asked.get(_name, 0) + 1
             return _base(self, *args)
 
         monkeypatch.setattr(KVConnectorBase_V1, name, base_answer)
@@ -396,6 +397,7 @@ def test_a_child_keeping_the_base_classs_constant_answer_is_not_asked(
     asked_by_multi, asked = asked, {}
     compose = _run(scenario, _build("compose", scripts, vllm_config_with, "first_match", metrics=False))
     assert compose == multi
-    assert asked_by_multi == {name: len(scripts) * (2 if OPERATIONS[name].side.value == "both" else 1)
-                              for name in inherited}
+    # Every release's MultiConnector asks each child for its stats on both sides (older ones forward fewer of
+    # the others).
+    assert asked_by_multi["get_kv_connector_stats"] == 2 * len(scripts)
     assert asked == {}
