@@ -135,14 +135,16 @@ def kv_transfer_config(name: str, stores: Path, endpoints: dict[str, str]) -> di
 class EngineProcess:
     """A benchmarks/engine_run.py process: a round at a time on command, answers on a pipe."""
 
-    def __init__(self, name: str, kv_transfer: dict[str, Any] | None, workdir: Path) -> None:
+    def __init__(self, name: str, kv_transfer: dict[str, Any] | None, workdir: Path, tree: Path = REPO) -> None:
+        """``tree``: the directory it runs in, whose ``kvcompose`` it imports (another version's: see
+        ``benchmarks/compare.py``)."""
         self.name = name
         self._log = workdir / f"{name}.log"
         read_end, write_end = os.pipe()
         command = [sys.executable, "-m", "benchmarks.engine_run", "--kv-transfer-config", json.dumps(kv_transfer),
                    "--result-fd", str(write_end)]
         with self._log.open("w") as log:
-            self._process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **ENGINE_ENV}, stdin=subprocess.PIPE,
+            self._process = subprocess.Popen(command, cwd=tree, env={**os.environ, **ENGINE_ENV}, stdin=subprocess.PIPE,
                                              stdout=log, stderr=subprocess.STDOUT, text=True, pass_fds=(write_end,))
         os.close(write_end)
         self._results = os.fdopen(read_end)

@@ -245,3 +245,39 @@ def test_the_stopwatch_times_every_call_vllm_makes_into_kvcompose_instrumentatio
     assert {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
             "bind_connector_metadata"} <= set(stopwatch.ENGINE.by_call)
     worker.clear_connector_metadata()
+
+
+def test_compare_runs_a_revisions_kvcompose_under_this_checkouts_benchmarks(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from benchmarks import compare
+
+    tree = compare.extract("HEAD", tmp_path)
+    found = subprocess.run([sys.executable, "-c", "import benchmarks, kvcompose; print(kvcompose.__file__); "
+                            "print(benchmarks.__file__)"], cwd=tree, check=True, capture_output=True, text=True)
+    kvcompose_file, benchmarks_file = found.stdout.split()
+    assert Path(kvcompose_file).resolve().is_relative_to(tmp_path.resolve())
+    assert Path(benchmarks_file).resolve().parent == compare.REPO / "benchmarks"
+
+
+def test_compare_summary_takes_differences_within_each_round() -> None:
+    from benchmarks import compare
+
+    def engine(connector_us: float, tokens_per_s: float) -> dict[str, float]:
+        return {"connector_us_per_first_token": connector_us, "children_us_per_first_token": 100.0,
+                "connector_us_per_token": connector_us / 10, "children_us_per_token": 10.0,
+                "outbox_us_per_token": 0.5, "exporter_us_per_token": 1.5, "outbox_us_per_first_token": 0.0,
+                "ttft_ms": 3.0, "tokens_per_s": tokens_per_s}
+
+    # The machine's speed swings between rounds; within each, this checkout is 20 us per first token cheaper.
+    rounds = [{"multi": engine(150.0 * speed, 1000 / speed), "kvc_step": engine(280.0 * speed, 950 / speed),
+               "kvc_step@abc": engine(280.0 * speed + 20, 940 / speed)} for speed in (1.0, 1.3, 0.8)]
+    result = compare.summarize(rounds, "abc")
+    step = result["configurations"]["kvc_step"]
+    assert set(result["configurations"]) == {"kvc_step"}
+    assert step["difference"]["framework_us_per_first_token"] == pytest.approx(-20.0)
+    assert step["now"]["framework_us_per_first_token"] == pytest.approx(180.0)
+    assert step["abc"]["framework_us_per_token"] == pytest.approx(300 / 10 + 0.5 + 1.5 - 10.0)  # the middle round
+    assert step["now"]["tokens_per_s_from_framework_cost"] > step["abc"]["tokens_per_s_from_framework_cost"]
+    assert "kvc_step" in compare.table(result) and "-20.0" in compare.table(result)
