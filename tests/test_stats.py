@@ -138,6 +138,25 @@ def test_a_table_taken_over_by_aggregate_is_copied_before_it_is_added_to() -> No
     assert scheduler.cells == {0: [1, 0.5]}
 
 
+def test_aggregate_does_not_modify_a_childs_native_stats() -> None:
+    # A child's own stats (here vLLM's OffloadingConnectorStats) are merged by the child's own aggregate, which
+    # adds into its object: one taken over from an input must be copied before it is merged into again.
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    from kvcompose.metrics.native import NativeStats, class_path
+
+    stats = OffloadingConnectorStats()
+    stats.increase_counter("vllm:kv_offload_load_bytes", 5)
+    second = KVComposeStats(data={"native": {"cpu": NativeStats(class_path(OffloadingConnector), stats)}})
+    before = repr(second.to_dict())
+    first = KVComposeStats()
+    first.aggregate(second)
+    first.aggregate(second)
+    assert repr(second.to_dict()) == before
+    assert first.to_dict()["native"]["cpu"]["stats"]["data"] == {"vllm:kv_offload_load_bytes": {(): 10}}
+
+
 def test_tables_of_different_pipelines_do_not_merge() -> None:
     table = CallTable(("hot", "cold"), len(BOUNDS) + 1)
     with pytest.raises(ValueError, match="different pipelines"):

@@ -329,7 +329,8 @@ class InnerConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         assert isinstance(other, InnerConnectorStats)
-        return InnerConnectorStats(self.native.merged(other.native))
+        self.native.add(other.native)
+        return InnerConnectorStats(self.native)
 
     def reduce(self) -> dict[str, int | float]:
         return self.native.stats.reduce()

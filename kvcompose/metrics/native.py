@@ -7,6 +7,7 @@ front-end has no pipeline at hand, so each child's entry names its class.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -47,5 +48,9 @@ class NativeStats:
         stats = connector_cls.build_kv_connector_stats(data=payload[STATS_KEY])
         return cls(payload[CLASS_KEY], stats) if stats is not None else None
 
-    def merged(self, other: NativeStats) -> NativeStats:
-        return NativeStats(self.connector_class, self.stats.aggregate(other.stats))
+    def add(self, other: NativeStats) -> None:
+        """Add ``other``'s stats into these (the child's own ``aggregate``; ``other`` is not modified)."""
+        self.stats = self.stats.aggregate(other.stats)
+
+    def copy(self) -> NativeStats:
+        return NativeStats(self.connector_class, copy.deepcopy(self.stats))

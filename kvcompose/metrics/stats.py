@@ -38,15 +38,22 @@ class _Addable(Protocol):
     def add(self, other: Any) -> None: ...
 
 
+def _copied_table(table: Any) -> Any:
+    """A CallTable or TransferTable of its own with ``table``'s counts."""
+    copy = type(table)(table.children, table.buckets)
+    copy.add(table)
+    return copy
+
+
 @dataclass
 class KVComposeStats(KVConnectorStats):
     """Stats of every child, by pipeline name: kvcompose's own and the child's native ones."""
 
     data: dict[str, Any] = field(default_factory=dict)
-    # Keys of tables taken over from an ``other`` of :meth:`aggregate` as they are: vLLM merges stats it then
-    # discards (the scheduler's into the workers', each step's into the log's), so the copy that keeps
-    # ``other`` unmodified is made only if this object is merged into again.
-    _borrowed: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    # (section, key) of tables and children's stats taken over from an ``other`` of :meth:`aggregate` as they are:
+    # vLLM merges stats it then discards (the scheduler's into the workers', each step's into the log's), so the
+    # copy that keeps ``other`` unmodified is made only if this object is merged into again.
+    _borrowed: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False, compare=False)
 
     @property
     def calls(self) -> CallTable | None:
@@ -109,19 +116,16 @@ class KVComposeStats(KVConnectorStats):
         }
 
     def aggregate(self, other: KVConnectorStats) -> KVComposeStats:
-        """Add ``other`` into this object (``other`` is not modified; a table this object lacks is shared with
-        it until this object is merged into again)."""
+        """Add ``other`` into this object (``other`` is not modified; a table or child's stats this object lacks is
+        shared with it until this object is merged into again)."""
         if not isinstance(other, KVComposeStats):
             other = KVComposeStats.from_payload(other.data)
-        if (calls := other.calls) is not None:
-            self._add_table(CALLS_KEY, calls, lambda: CallTable(calls.children, calls.buckets))
-        if (transfers := other.transfers) is not None:
-            self._add_table(TRANSFERS_KEY, transfers, lambda: TransferTable(transfers.children, transfers.buckets))
-        if other.telemetry is not None:
-            self._add_table(TELEMETRY_KEY, other.telemetry, TelemetryCounters)
+        for key, copy_of in ((CALLS_KEY, _copied_table), (TRANSFERS_KEY, _copied_table),
+                             (TELEMETRY_KEY, TelemetryCounters.copy)):
+            if (theirs := other.data.get(key)) is not None:
+                self._add_into("data", self.data, key, theirs, copy_of)
         for name, stats in other.native.items():
-            mine_native = self.native.get(name)
-            self.native[name] = stats if mine_native is None else mine_native.merged(stats)
+            self._add_into(NATIVE_KEY, self.native, name, stats, NativeStats.copy)
         for name, breaker in other.breakers.items():
             mine_breaker = self.breakers.get(name)
             # The worst state of any process (scheduler, workers) shows.
@@ -131,19 +135,18 @@ class KVComposeStats(KVConnectorStats):
             }
         return self
 
-    def _add_table(self, key: str, theirs: _Addable, empty: Callable[[], _Addable]) -> None:
-        """Add ``theirs`` into this object's table ``key``: taken over as it is where there is none, copied
-        first where it was taken over."""
-        mine = self.data.get(key)
+    def _add_into(self, section: str, tables: dict[str, Any], key: str, theirs: _Addable,
+                  copy_of: Callable[[Any], _Addable]) -> None:
+        """Add ``theirs`` into ``tables[key]`` (``section`` names ``tables``): taken over as it is where there is
+        none, copied first where it was taken over."""
+        mine = tables.get(key)
         if mine is None:
-            self.data[key] = theirs
-            self._borrowed.add(key)
+            tables[key] = theirs
+            self._borrowed.add((section, key))
             return
-        if key in self._borrowed:
-            self._borrowed.discard(key)
-            own = self.data[key] = empty()
-            own.add(mine)
-            mine = own
+        if (section, key) in self._borrowed:
+            self._borrowed.discard((section, key))
+            mine = tables[key] = copy_of(mine)
         mine.add(theirs)
 
     def reset(self) -> None:

@@ -31,6 +31,9 @@ class TelemetryCounters:
     def is_empty(self) -> bool:
         return not self.spans_dropped and self.spans_queued is None
 
+    def copy(self) -> TelemetryCounters:
+        return TelemetryCounters(self.spans_dropped, self.spans_queued)
+
     def reduce(self) -> dict[str, int]:
         reduced = {"spans_dropped": self.spans_dropped} if self.spans_dropped else {}
         if self.spans_queued is not None:
