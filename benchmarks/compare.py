@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import end_to_end
-from benchmarks.end_to_end import REPO, STORES_DIR, EngineProcess, kv_transfer_config
+from benchmarks.end_to_end import REPO, STORES_DIR, EngineProcess, kv_transfer_config, run_rounds
 from benchmarks.otlp_sink import OtlpSink
 
 CONFIGURATIONS = ("kvc_off", "kvc_step")
@@ -52,18 +52,19 @@ def summarize(rounds: list[dict[str, dict[str, float]]], revision: str) -> dict[
     result: dict[str, Any] = {"revision": revision, "rounds": len(rounds), "configurations": {}}
     for name in [name for name in rounds[0] if name != BASELINE and "@" not in name]:
         versions = {"now": name, revision: f"{name}@{revision}"}
+        per_round = {version: [figures(measured[engine]) for measured in rounds]
+                     for version, engine in versions.items()}
         entry: dict[str, Any] = {}
         for version, engine in versions.items():
-            per_round = [figures(measured[engine]) for measured in rounds]
-            entry[version] = {key: statistics.median(row[key] for row in per_round) for key in per_round[0]}
+            entry[version] = {key: statistics.median(row[key] for row in per_round[version])
+                              for key in per_round[version][0]}
             entry[version]["tokens_per_s_from_framework_cost"] = statistics.median(
                 end_to_end._from_cost(measured[engine], measured[BASELINE], True) for measured in rounds)
             entry[version]["ttft_from_framework_cost"] = statistics.median(
                 end_to_end._ttft_from_cost(measured[engine], measured[BASELINE], True) for measured in rounds)
-        entry["difference"] = {
-            key: statistics.median(figures(measured[name])[key] - figures(measured[versions[revision]])[key]
-                                   for measured in rounds)
-            for key in figures(rounds[0][name])}
+        entry["difference"] = {key: statistics.median(now[key] - then[key]
+                                                      for now, then in zip(per_round["now"], per_round[revision]))
+                               for key in per_round["now"][0]}
         result["configurations"][name] = entry
     return result
 
@@ -82,14 +83,7 @@ def measure(revision: str, rounds: int = 24, configurations: tuple[str, ...] = C
             for name, tree in trees:
                 config = kv_transfer_config(name.split("@")[0], work / name, endpoints)
                 engines.append(EngineProcess(name, config, work, tree))
-            for engine in engines:
-                engine.ask("ready")
-            measured = []
-            for round_index in range(rounds):
-                shift = round_index % len(engines)
-                measured.append({engine.name: engine.ask("round") for engine in engines[shift:] + engines[:shift]})
-            for engine in engines:
-                engine.stop()
+            measured, _ = run_rounds(engines, rounds)
         finally:
             for engine in engines:
                 engine.kill()

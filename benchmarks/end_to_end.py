@@ -173,6 +173,20 @@ class EngineProcess:
         self._results.close()
 
 
+def run_rounds(
+    engines: list[EngineProcess], rounds: int,
+) -> tuple[list[dict[str, dict[str, Any]]], dict[str, dict[str, Any]]]:
+    """Wait until every engine is ready, ask each for ``rounds`` rounds in rotating order, then stop them:
+    (each round's figures by engine, each engine's figures at its stop)."""
+    for engine in engines:
+        engine.ask("ready")
+    measured = []
+    for round_index in range(rounds):
+        shift = round_index % len(engines)
+        measured.append({engine.name: engine.ask("round") for engine in engines[shift:] + engines[:shift]})
+    return measured, {engine.name: engine.stop() for engine in engines}
+
+
 def measure(rounds: int = 32, configurations: tuple[str, ...] = CONFIGURATIONS) -> dict[str, Any]:
     from tests.server_support import free_port
 
@@ -185,13 +199,7 @@ def measure(rounds: int = 32, configurations: tuple[str, ...] = CONFIGURATIONS) 
             for name in configurations:
                 engines.append(EngineProcess(name, kv_transfer_config(name, Path(workdir) / name, endpoints),
                                              Path(workdir)))
-            for engine in engines:
-                engine.ask("ready")
-            measured: list[dict[str, dict[str, Any]]] = []
-            for round_index in range(rounds):
-                shift = round_index % len(engines)
-                measured.append({engine.name: engine.ask("round") for engine in engines[shift:] + engines[:shift]})
-            stopped = {engine.name: engine.stop() for engine in engines}
+            measured, stopped = run_rounds(engines, rounds)
         finally:
             for engine in engines:
                 engine.kill()

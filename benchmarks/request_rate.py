@@ -88,8 +88,8 @@ def table(rows: list[dict[str, Any]]) -> str:
              "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         achieved = " / ".join(f"{row['achieved_per_s'][name]:.0f}" for name in SUBJECTS)
-        lines.append(f"| {row['rate'] or '0 (idle)'} | {row['core_share']['multi']:.2%} | {row['extra_share']['kvc_off']:+.2%} | "
-                     f"{row['extra_share']['kvc_traced']:+.2%} | {achieved} | "
+        lines.append(f"| {row['rate'] or '0 (idle)'} | {row['core_share']['multi']:.2%} | "
+                     f"{row['extra_share']['kvc_off']:+.2%} | {row['extra_share']['kvc_traced']:+.2%} | {achieved} | "
                      f"{row['exporter_share']['kvc_traced']:.2%} |")
     exports = rows[0]["sink_exports"] if rows else 0
     return ("\n".join(lines) + f"\n\nShares of one core, medians of the rounds; extra: percentage points over "
