@@ -92,8 +92,9 @@ class ChildCalls:
         # its child's calls are made, before it raises (a half-open circuit's probe).
         self._retired: dict[str, dict[Callable[..., Any], Child]] = {}
         self._made: dict[tuple[int, str, Variant], Callable[..., Any]] = {}  # (child, operation, variant) -> call
-        # The composite stops layer saves for the rest of a step whose load failed.
-        self._layer_saves = True
+        # The composite stops layer saves for the rest of a step whose load failed (read here, every step;
+        # changed by :meth:`set_layer_saves`).
+        self.layer_saves = True
         # Called after the loaders' waits of every layer, while set (the transfer tracker marks sync loads' end).
         self._layer_load_marker: Callable[[str], None] | None = None
         self.rebuild()
@@ -105,14 +106,9 @@ class ChildCalls:
         child = self._owners[operation.name].get(call)
         return child if child is not None else self._retired[operation.name][call]
 
-    @property
-    def layer_saves(self) -> bool:
-        return self._layer_saves
-
-    @layer_saves.setter
-    def layer_saves(self, on: bool) -> None:
-        if on != self._layer_saves:
-            self._layer_saves = on
+    def set_layer_saves(self, on: bool) -> None:
+        if on != self.layer_saves:
+            self.layer_saves = on
             self._rebuild_operation(OPERATIONS["save_kv_layer"])
 
     def trace_by_default(self, operations: frozenset[str]) -> None:
@@ -179,7 +175,7 @@ class ChildCalls:
         if operation.skip_inherited and child.inherits(operation.name):
             return False
         if operation.granularity is Granularity.LAYER:  # a probe is never a per-layer call
-            return child.guard.closed and (operation.name != "save_kv_layer" or self._layer_saves)
+            return child.guard.closed and (operation.name != "save_kv_layer" or self.layer_saves)
         return True
 
     def _call(self, child: Child, operation: Operation, variant: Variant) -> Callable[..., Any] | None:

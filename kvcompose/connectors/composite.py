@@ -173,7 +173,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         were never filled: what it saves would poison the other tiers, so no
         child saves a layer until the step ends."""
         if self._child_calls.layer_saves and any(not plan.load_async for plan in plans):
-            self._child_calls.layer_saves = False
+            self._child_calls.set_layer_saves(False)
             logger.warning("layer saves skipped for this step after a failed load",
                            connector=sorted({self.children[plan.child].name for plan in plans}))
 
@@ -228,7 +228,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         assert isinstance(connector_metadata, KVComposeMetadata)
         for guard in self._open_guards:
             guard.step_started()
-        self._loads_failed(self._worker_ledger.begin_step(connector_metadata))
+        if cancelled := self._worker_ledger.begin_step(connector_metadata):
+            self._loads_failed(cancelled)
         binds = self._calls.bind_connector_metadata
         for bind, metadata in zip(binds, connector_metadata.per_child, strict=True):
             try:
@@ -245,7 +246,8 @@ class KVComposeConnector(KVConnectorBase_V1):
                 self._answer(_CLEAR, clear, error)
         super().clear_connector_metadata()
         self._worker_ledger.end_step()
-        self._child_calls.layer_saves = True  # back to every step's layer saves
+        if not self._child_calls.layer_saves:  # back to every step's layer saves
+            self._child_calls.set_layer_saves(True)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVComposeMetadata)
@@ -305,17 +307,13 @@ class KVComposeConnector(KVConnectorBase_V1):
         """Union of the children's results; a request counts as sent once its
         last async saver reports it. A child that failed gives up what it owes:
         its saves count as done, its receives as failed (vLLM recomputes)."""
-        results = KVConnectorTransferResults()
-        for index, get_results in enumerate(self._calls.get_transfer_results):
+        answers = []
+        for get_results in self._calls.get_transfer_results:
             try:
-                child_results = get_results(finished_req_ids)
+                answers.append(get_results(finished_req_ids))
             except Exception as error:
-                child_results = self._answer(_TRANSFER_RESULTS, get_results, error)
-            if child_results is FAILED:
-                child_results = self._worker_ledger.given_up(index)
-            self._worker_ledger.settle(index, child_results, into=results)
-        self._worker_ledger.take_failed_recvs(into=results)
-        return results
+                answers.append(self._answer(_TRANSFER_RESULTS, get_results, error))
+        return self._worker_ledger.settle(answers)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The children's failed blocks, plus those of loads kvcompose gave back for a failed child."""
@@ -357,7 +355,7 @@ class KVComposeConnector(KVConnectorBase_V1):
                 per_child.append(build())
             except Exception as error:
                 per_child.append(self._answer(_WORKER_META, build, error))
-        if all(metadata is None for metadata in per_child):
+        if per_child.count(None) == len(per_child):
             return None
         return KVComposeWorkerMetadata(per_child=tuple(per_child))
 

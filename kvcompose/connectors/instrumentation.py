@@ -53,7 +53,7 @@ from kvcompose.metrics.stats import CALLS_KEY, TELEMETRY_KEY, TRANSFERS_KEY
 from kvcompose.metrics.telemetry import TelemetryCounters
 from kvcompose.metrics.transfers import TransferRecorder
 from kvcompose.operations import OPERATIONS, Granularity, Operation, Side
-from kvcompose.tracing import pipeline_tracer
+from kvcompose.tracing import PipelineTracer, pipeline_tracer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -97,6 +97,8 @@ class Instrumentation:
             sample_every=metrics.sample_every,
         )
         self.tracer = pipeline_tracer(pipeline, role.name.lower())
+        # The tracer again where tracing is on, for what it does every step; None: nothing, not even a call.
+        self._step_tracer = self.tracer if isinstance(self.tracer, PipelineTracer) else None
         self._tracing = tracing.enabled
         self._layer_spans = tracing.granularity == "layer"
         self._transfer_recorder = TransferRecorder(metrics.enabled, names, metrics.transfer_buckets)
@@ -122,7 +124,9 @@ class Instrumentation:
         self._installed: set[str] = set()  # methods this instrumentation set on the composite's instance
         self._wait_for_save: Callable[[], None] | None = None  # worker: what vLLM calls, but in a step with sync saves
         self._completing_saves_of_step = False  # worker: the bound step's wait_for_save completes its sync saves
+        self._marking_layer_loads = False  # worker: the bound step's layer waits mark its sync loads' end
         self._step_traces: frozenset[str] = frozenset()  # worker: the operations a traced step traces
+        self._step_traced = False  # worker: the bound step is traced
 
     # ---- the children's calls ----
 
@@ -146,7 +150,8 @@ class Instrumentation:
         if operation is _TRANSFER_RESULTS and self._tracks_transfers:
 
             def transfer_results(finished_req_ids: set[str]) -> Any:
-                tracker = self._tracker()
+                tracker = self._transfers  # made at attach, after the calls (read here: no call per child)
+                assert tracker is not None
                 try:
                     results = call(finished_req_ids)
                 except Exception as error:
@@ -339,14 +344,15 @@ class Instrumentation:
     def _building_metadata(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """build_connector_meta: what the workers need to track transfers and join traces, and whether they
         flush their stats."""
-        tracer, job_children = self.tracer, self._job_children
+        tracer, job_children = self._step_tracer, self._job_children
 
         def build_connector_meta(scheduler_output: Any) -> KVComposeMetadata:
             metadata = call(scheduler_output)
-            metadata.saves = {new.req_id: len(new.block_ids[0]) if new.block_ids else 0
-                              for new in scheduler_output.scheduled_new_reqs} or None
-            moving = job_requests(metadata.per_child[index] for index in job_children) if job_children else ()
-            metadata.traced_requests = tracer.step_requests(scheduler_output, metadata.loads, moving)
+            if new_requests := scheduler_output.scheduled_new_reqs:
+                metadata.saves = {new.req_id: len(new.block_ids[0]) if new.block_ids else 0 for new in new_requests}
+            if tracer is not None:
+                moving = job_requests(metadata.per_child[index] for index in job_children) if job_children else ()
+                metadata.traced_requests = tracer.step_requests(scheduler_output, metadata.loads, moving)
             if not scheduler_output.total_num_scheduled_tokens:  # no forward pass: idle, or waiting
                 metadata.flush_stats = self._flush_at_take = True
             return metadata
@@ -384,17 +390,21 @@ class Instrumentation:
 
     def _binding(self, bind: Callable[..., Any]) -> Callable[..., Any]:
         def bind_connector_metadata(metadata: KVComposeMetadata) -> None:
-            traced = self.tracer.begin_step(metadata.traced_requests, metadata.loads)
+            traced = (tracer := self._step_tracer) is not None and tracer.begin_step(metadata.traced_requests,
+                                                                                     metadata.loads)
             transfers = self._transfers
-            if transfers is not None:  # after the tracer: its transfers join their requests' traces
-                transfers.begin_step(metadata)
+            # after the tracer: its transfers join their requests' traces
+            moves = transfers is not None and transfers.begin_step(metadata)
             self._step, self._flush_at_take = metadata.step, metadata.flush_stats
             bind(metadata)
             if traced:  # the step moves a sampled request's KV: its traced operations run their traced calls
                 self._calls.trace_by_default(self._step_traces)  # type: ignore[union-attr]
-            if transfers is not None:
+                self._step_traced = True
+            if moves:  # sync loads, whose end the layer waits mark, or sync saves, which wait_for_save completes
+                assert transfers is not None
                 if transfers.waits_for_loads:
                     self._calls.set_layer_load_marker(transfers.layer_waited)  # type: ignore[union-attr]
+                    self._marking_layer_loads = True
                 if transfers.saves_open:
                     self._install("wait_for_save", self._completing_saves())
 
@@ -405,10 +415,14 @@ class Instrumentation:
             clear()
             if self._transfers is not None:
                 self._transfers.end_step()
-                self._calls.set_layer_load_marker(None)  # type: ignore[union-attr]
-            self.tracer.end_step()
-            if self._step_traces:  # back to the plain calls (tracing off: a step never leaves them)
+                if self._marking_layer_loads:
+                    self._calls.set_layer_load_marker(None)  # type: ignore[union-attr]
+                    self._marking_layer_loads = False
+            if self._step_tracer is not None:
+                self._step_tracer.end_step()
+            if self._step_traced:  # back to the plain calls
                 self._calls.trace_by_default(frozenset())  # type: ignore[union-attr]
+                self._step_traced = False
             if self._completing_saves_of_step:  # the step had no wait_for_save
                 self._stop_completing_saves()
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvcompose.connectors.metadata import KVComposeMetadata, LoadPlan
+from kvcompose.operations import FAILED, Failed
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -135,15 +136,26 @@ class WorkerLedger:
         else:
             self._load_errors.update(plan.block_ids)
 
-    def settle(self, child: int, results: KVConnectorTransferResults, into: KVConnectorTransferResults) -> None:
-        """Add one child's transfer results; a request counts as sent once no child owes its save."""
-        into.finished_recving |= results.finished_recving
-        into.failed_recving |= results.failed_recving
-        for req_id in results.finished_recving:
-            self._receiving.pop(req_id, None)
-        for req_id in results.finished_sending:
-            if self._save_done(req_id, child):
-                into.finished_sending.add(req_id)
+    def settle(self, answers: Sequence[KVConnectorTransferResults | Failed]) -> KVConnectorTransferResults:
+        """The children's transfer results as one (``answers``: one per child, in pipeline order; FAILED: the
+        child failed and gives up what it owes). A request counts as sent once no child owes its save; async
+        loads given back to vLLM count as failed receives."""
+        settled = KVConnectorTransferResults()
+        for child, results in enumerate(answers):
+            if results is FAILED:
+                results = self.given_up(child)
+            settled.finished_recving |= results.finished_recving
+            settled.failed_recving |= results.failed_recving
+            for req_id in results.finished_recving:
+                self._receiving.pop(req_id, None)
+            for req_id in results.finished_sending:
+                if self._save_done(req_id, child):
+                    settled.finished_sending.add(req_id)
+        if self._failed_recvs:
+            settled.failed_recving |= self._failed_recvs
+            settled.finished_recving |= self._failed_recvs
+            self._failed_recvs = set()
+        return settled
 
     def _save_done(self, req_id: str, child: int) -> bool:
         owed = self._owed_saves.get(req_id)
@@ -163,12 +175,6 @@ class WorkerLedger:
             finished_recving=receiving,
             failed_recving=receiving,
         )
-
-    def take_failed_recvs(self, into: KVConnectorTransferResults) -> None:
-        if self._failed_recvs:
-            into.failed_recving |= self._failed_recvs
-            into.finished_recving |= self._failed_recvs
-            self._failed_recvs = set()
 
     def take_load_errors(self) -> tuple[set[int], dict[int, set[int]]]:
         """Blocks to report for recompute, and per child the blocks of every load given back."""

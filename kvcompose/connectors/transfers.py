@@ -143,14 +143,15 @@ class TransferTracker:
 
     # ---- the step ----
 
-    def begin_step(self, metadata: KVComposeMetadata) -> None:
-        """Open the transfers the step's metadata issues."""
+    def begin_step(self, metadata: KVComposeMetadata) -> bool:
+        """Open the transfers the step's metadata issues; True if it has sync loads or saves (see
+        :attr:`waits_for_loads`, :attr:`saves_open`)."""
         starts = metadata.loads or metadata.saves or metadata.async_saves or self._job_children
         # Whether a child failed in this step (its transfers then end failed, with the error it raised) is
         # read against these counts; open transfers need them too, in a step that starts nothing.
         self._failures_at_bind = [guard.failures for guard in self._guards] if starts or self._open else []
         if not starts:
-            return
+            return False
         self._bound_at = time_ns()  # every transfer the step opens starts now
         self._contexts = self._tracer.step_contexts()
         for req_id, plan in (metadata.loads or {}).items():
@@ -173,6 +174,7 @@ class TransferTracker:
         for child in self._job_children:
             if (child_metadata := metadata.per_child[child]) is not None:
                 self._start_jobs(child, child_metadata)
+        return bool(self._step_loads or self._step_saves)
 
     @property
     def open(self) -> bool:

@@ -29,7 +29,7 @@ one dict look-up per call of the composite.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from time import time_ns
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -265,12 +265,15 @@ class PipelineTracer:
                 self._finished_async[req_id] = entry
 
     def step_requests(
-        self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None, moving: Iterable[str] = ()
+        self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None, moving: Collection[str] = ()
     ) -> tuple[TracedRequest, ...] | None:
         """The sampled requests whose KV the step being scheduled moves (new, loading, named in
         ``moving``, or finished with saves still running), for the workers."""
+        new_requests = scheduler_output.scheduled_new_reqs
+        if not (new_requests or loads or moving or self._finished_async):  # most decode steps
+            return None
         requests = self._requests
-        new_ids = [new.req_id for new in scheduler_output.scheduled_new_reqs]
+        new_ids = [new.req_id for new in new_requests]
         traced = [TracedRequest(req_id, entry.trace_id, entry.span_id, True)
                   for req_id in new_ids if (entry := requests.get(req_id)) is not None]
         if loads or moving:
@@ -303,6 +306,8 @@ class PipelineTracer:
         return True
 
     def end_step(self) -> None:
+        if not self._step:  # the step traced nothing (begin_step bound nothing)
+            return
         if (step := self._step_span) is not None:
             links = tuple((context.trace_id, context.span_id) for context in self._step_contexts.values())
             self._records.append((self._step_template, step.trace_id, step.span_id, 0, self._step_start, time_ns(),
@@ -366,17 +371,6 @@ class NoTracing:
     open_requests = 0
 
     def request_finished(self, request: Request, saves_async: bool = False) -> None:
-        pass
-
-    def step_requests(
-        self, scheduler_output: SchedulerOutput, loads: Mapping[str, LoadPlan] | None, moving: Iterable[str] = ()
-    ) -> None:
-        return None
-
-    def begin_step(self, requests: tuple[TracedRequest, ...] | None, loads: Mapping[str, LoadPlan] | None) -> bool:
-        return False
-
-    def end_step(self) -> None:
         pass
 
     def step_contexts(self) -> Mapping[str, SpanContextIds]:
