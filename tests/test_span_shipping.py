@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from kvcompose.config import TracingSection
-from kvcompose.tracing.export_process import CHECK_ENGINE_S
+from kvcompose.tracing.export_process import CHECK_ENGINE_S, READ_EVERY_S
 from kvcompose.tracing.records import IDS, SpanRecord
-from kvcompose.tracing.ring import SLEEPING
+from kvcompose.tracing.ring import READ, SLEEPING
 from kvcompose.tracing.sampling import Sampling, sampling_for
 from kvcompose.tracing.shipping import ProcessShipper
 
@@ -79,6 +79,53 @@ def test_a_sleeping_exporter_is_woken_by_a_ship() -> None:
             wait_until(lambda: ring.counter(SLEEPING) == 1 and not ring.unread())
             shipper.ship(_records(shipper, 2, IDS.trace_id()))
             wait_until(lambda: not ring.unread(), timeout_s=CHECK_ENGINE_S / 2)
+    finally:
+        shipper.close()
+        receiver.stop()
+
+
+def test_while_records_keep_coming_the_exporter_reads_on_its_schedule_not_at_every_ship() -> None:
+    """A wake-up costs the exporter about 0.1 ms of CPU, and a tracing engine ships ten times a second: once
+    awake it reads every READ_EVERY_S, not once per ship."""
+    receiver = start_receiver()
+    shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
+    try:
+        shipper.ship(_records(shipper, 2, IDS.trace_id()))
+        ring = shipper._ring
+        assert ring is not None
+        wait_until(lambda: not ring.unread())
+        reads, last_read, ships = 0, ring.counter(READ), 0
+        began = time.monotonic()
+        while (elapsed := time.monotonic() - began) < 2 * READ_EVERY_S:
+            if elapsed >= ships * 0.05:  # twenty ships a second
+                shipper.ship(_records(shipper, 2, IDS.trace_id()))
+                ships += 1
+            if (read := ring.counter(READ)) != last_read:
+                reads, last_read = reads + 1, read
+            time.sleep(0.001)
+        assert ships >= 30
+        assert 1 <= reads <= 4, f"{reads} reads for {ships} ships in {2 * READ_EVERY_S} s"
+    finally:
+        shipper.close()
+        receiver.stop()
+
+
+def test_a_ring_half_full_wakes_the_exporter_before_its_next_read() -> None:
+    receiver = start_receiver()
+    shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
+    try:
+        shipper.ship(_records(shipper, 2, IDS.trace_id()))
+        ring = shipper._ring
+        assert ring is not None
+        wait_until(lambda: not ring.unread())  # it read: now it waits READ_EVERY_S, unless woken
+        shipper.ship(_records(shipper, 2, IDS.trace_id()))
+        time.sleep(READ_EVERY_S / 10)
+        assert ring.unread(), "read at once: the exporter is woken by every ship"
+        shipped = time.monotonic()
+        while not ring.half_full():
+            shipper.ship(_records(shipper, 2000, IDS.trace_id()))
+        wait_until(lambda: not ring.unread(), timeout_s=READ_EVERY_S)
+        assert time.monotonic() - shipped < READ_EVERY_S * 0.9
     finally:
         shipper.close()
         receiver.stop()

@@ -3,12 +3,16 @@
 Started by :class:`kvcompose.tracing.shipping.ProcessShipper`, one per engine
 process that traces, so that building and encoding spans (most of tracing's
 cost) never runs on the engine's CPU. It reads the engine's :class:`Ring` (its
-path is the one argument) when woken, and sleeps in between: the engine writes
-a byte to this process's stdin after shipping records if it finds this process
-asleep (the ring's ``sleeping`` counter), and closes stdin when it shuts down
-(or the kernel does, when it dies). A process wake-up costs about 0.1 ms of CPU
-on these machines, so an idle engine's exporter sleeps, checking only every
-:data:`CHECK_ENGINE_S` that its engine is still there. The first frame holds the settings
+path is the one argument) and sleeps in between. A process wake-up costs about
+0.1 ms of CPU on these machines, and the engine ships ten times a second while
+it traces, so the exporter is not woken by every ship: while records keep
+coming it reads the ring every :data:`READ_EVERY_S`, woken early only if the
+ring is half full. Once a read finds nothing it sleeps until the engine ships
+again: the engine writes a byte to this process's stdin after shipping records
+if it finds this process asleep (the ring's ``sleeping`` counter), and closes
+stdin when it shuts down (or the kernel does, when it dies); asleep, the
+exporter checks only every :data:`CHECK_ENGINE_S` that its engine is still
+there. The first frame holds the settings
 (``service_name``, ``exporter``, ``endpoint``, ``version``), every later one
 is ``("t", [span templates])`` or ``("r", [span records])`` (see
 :mod:`kvcompose.tracing.records`). It writes the spans it dropped (queue full
@@ -47,6 +51,8 @@ EXPORT_BATCH = 512
 # batch processor waits 5 s). A request costs the exporter's client about 0.6 ms of CPU whatever its size,
 # and on a machine of few cores that CPU is taken from the engine's neighbour.
 EXPORT_INTERVAL_S = 2.0
+# While records keep coming, the ring is read this often (spans then wait for a batch: EXPORT_INTERVAL_S).
+READ_EVERY_S = 1.0
 # Asleep with no news this long, the exporter checks that its engine (its parent) still runs: the engine's end
 # of stdin may live on in a process the engine forked, so its death need not close it.
 CHECK_ENGINE_S = 5.0
@@ -178,17 +184,25 @@ class _Exporting:
         self._exporter.shutdown()
 
 
-def _sleep(ring: Ring) -> bool:
-    """Sleep until the engine ships records, closes its end of this process's stdin (it shuts down, or it
-    died: True then), or :data:`CHECK_ENGINE_S` pass."""
+def _sleep(ring: Ring, records_came: bool) -> bool:
+    """Sleep until the next read; True if the engine is gone (it closed its end of this process's stdin).
+    After a read that found records (``records_came``): for :data:`READ_EVERY_S`, or until the engine finds the
+    ring half full. Else until the engine ships records, or :data:`CHECK_ENGINE_S` pass."""
+    if records_came:
+        return _engine_gone_after(READ_EVERY_S)
     ring.set_counter(SLEEPING, 1)
     try:
         if ring.unread():  # shipped after the last take, maybe before the engine could see this process asleep
             return False
-        readable, _, _ = select.select([sys.stdin], [], [], CHECK_ENGINE_S)
-        return bool(readable) and not os.read(sys.stdin.fileno(), 4096)  # the wake-up bytes, or end of file
+        return _engine_gone_after(CHECK_ENGINE_S)
     finally:
         ring.set_counter(SLEEPING, 0)
+
+
+def _engine_gone_after(timeout_s: float) -> bool:
+    """Wait on stdin for at most ``timeout_s``: wake-up bytes (False), or end of file (True: the engine is gone)."""
+    readable, _, _ = select.select([sys.stdin], [], [], timeout_s)
+    return bool(readable) and not os.read(sys.stdin.fileno(), 4096)
 
 
 def main() -> None:
@@ -201,7 +215,8 @@ def main() -> None:
     engine_gone = False
     while True:
         closing = engine_gone or ring.counter(CLOSED) or os.getppid() != engine
-        for frame in ring.take():
+        frames = ring.take()
+        for frame in frames:
             if settings is None:
                 settings = frame
                 exporter = span_exporter(settings["exporter"], settings["endpoint"])
@@ -216,7 +231,7 @@ def main() -> None:
             ring.set_counter(QUEUED, exporting.queued)
         if closing:
             break
-        engine_gone = _sleep(ring)
+        engine_gone = _sleep(ring, records_came=bool(frames))
     if exporting is not None:
         exporting.close()
 

@@ -10,7 +10,7 @@ counters, each an 8-byte aligned little-endian integer:
   spans waiting for export, read by the engine for its metrics.
 - ``closed``: set by the engine when it shuts down.
 - ``sleeping``: set by the reader while it sleeps, so that the writer wakes it
-  (through a pipe of their own) only then.
+  (through a pipe of their own) only then, or when the ring is half full.
 
 A frame is a 4-byte length and a ``marshal`` payload, wrapping at the end of
 the data area. The writer stores the payload before it advances ``written``;
@@ -86,6 +86,10 @@ class Ring:
         self._written = written + size
         self.set_counter(WRITTEN, self._written)
         return True
+
+    def half_full(self) -> bool:
+        """Writer side: True when more than half the ring waits to be read."""
+        return 2 * (self._written - self.counter(READ)) > self._size
 
     def _copy_in(self, at: int, data: bytes) -> None:
         first = min(len(data), self._size - at)

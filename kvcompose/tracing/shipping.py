@@ -7,7 +7,8 @@ that traces starts one exporter process
 (:mod:`kvcompose.tracing.export_process`) per tracing section and appends its
 records to a shared-memory :class:`~kvcompose.tracing.ring.Ring` that the
 exporter reads: a batch costs a ``marshal`` and a copy, and a one-byte write
-that wakes the exporter only if it sleeps (at most once a ship). When
+that wakes the exporter only if it sleeps (after an idle spell) or the ring is
+half full. When
 the ring is full (the exporter is behind, or gone) the batch is dropped and
 counted. :func:`set_span_exporter` replaces that, for the whole process, with
 an exporter called in-process (tests, embedders).
@@ -124,7 +125,7 @@ class ProcessShipper(_OutboxesShipped):
         self.templates.mark_shipped()
         if not self._ring.append((RECORDS_FRAME, records)):
             self._dropped += len(records)
-        elif self._ring.counter(SLEEPING):
+        elif self._ring.counter(SLEEPING) or self._ring.half_full():
             self._wake_exporter()
 
     def _wake_exporter(self) -> None:
