@@ -107,12 +107,16 @@ class KVComposeStats(KVConnectorStats):
         })
 
     def to_dict(self) -> dict[str, Any]:
+        # From ``data`` itself, not through the properties: this runs at every step with stats.
+        data = self.data
+        calls, transfers, telemetry = data.get(CALLS_KEY), data.get(TRANSFERS_KEY), data.get(TELEMETRY_KEY)
+        native = data.get(NATIVE_KEY)
         return {
-            CALLS_KEY: self.calls.to_dict() if self.calls is not None else None,
-            TRANSFERS_KEY: self.transfers.to_dict() if self.transfers is not None else None,
-            NATIVE_KEY: {name: stats.to_dict() for name, stats in self.native.items()},
-            BREAKERS_KEY: self.breakers,
-            TELEMETRY_KEY: self.telemetry.to_dict() if self.telemetry is not None else None,
+            CALLS_KEY: calls.to_dict() if calls is not None else None,
+            TRANSFERS_KEY: transfers.to_dict() if transfers is not None else None,
+            NATIVE_KEY: {name: stats.to_dict() for name, stats in native.items()} if native else {},
+            BREAKERS_KEY: data.get(BREAKERS_KEY) or {},
+            TELEMETRY_KEY: telemetry.to_dict() if telemetry is not None else None,
         }
 
     def aggregate(self, other: KVConnectorStats) -> KVComposeStats:
@@ -124,9 +128,10 @@ class KVComposeStats(KVConnectorStats):
                              (TELEMETRY_KEY, TelemetryCounters.copy)):
             if (theirs := other.data.get(key)) is not None:
                 self._add_into("data", self.data, key, theirs, copy_of)
-        for name, stats in other.native.items():
-            self._add_into(NATIVE_KEY, self.native, name, stats, NativeStats.copy)
-        for name, breaker in other.breakers.items():
+        if other_native := other.data.get(NATIVE_KEY):
+            for name, stats in other_native.items():
+                self._add_into(NATIVE_KEY, self.native, name, stats, NativeStats.copy)
+        for name, breaker in (other.data.get(BREAKERS_KEY) or {}).items():
             mine_breaker = self.breakers.get(name)
             # The worst state of any process (scheduler, workers) shows.
             self.breakers[name] = breaker if mine_breaker is None else {
@@ -171,10 +176,12 @@ class KVComposeStats(KVConnectorStats):
         return reduced
 
     def is_empty(self) -> bool:
+        data = self.data  # not through the properties: this runs at every step with stats
+        calls, transfers, telemetry = data.get(CALLS_KEY), data.get(TRANSFERS_KEY), data.get(TELEMETRY_KEY)
         return (
-            (self.calls is None or self.calls.is_empty())
-            and (self.transfers is None or self.transfers.is_empty())
-            and (self.telemetry is None or self.telemetry.is_empty())
-            and not self.breakers
-            and all(stats.stats.is_empty() for stats in self.native.values())
+            (calls is None or calls.is_empty())
+            and (transfers is None or transfers.is_empty())
+            and (telemetry is None or telemetry.is_empty())
+            and not data.get(BREAKERS_KEY)
+            and all(stats.stats.is_empty() for stats in (data.get(NATIVE_KEY) or {}).values())
         )
