@@ -41,12 +41,13 @@ def scheduler_output(
     return output
 
 
-def composite_pair(vllm_config_with: Callable, pipeline: dict[str, Any]) -> tuple[Any, Any]:
-    """A scheduler-side and a worker-side KVComposeConnector over ``pipeline``."""
+def composite_pair(vllm_config_with: Callable, pipeline: dict[str, Any], kv_cache_config: Any = None) -> tuple[Any, Any]:
+    """A scheduler-side and a worker-side KVComposeConnector over ``pipeline`` (the worker's KV cache as
+    ``kv_cache_config`` says, if given)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvcompose.connectors import KVComposeConnector
 
     config = vllm_config_with({**COMPOSITE, "kv_connector_extra_config": {"pipeline": pipeline}})
     return (KVComposeConnector(config, KVConnectorRole.SCHEDULER, None),
-            KVComposeConnector(config, KVConnectorRole.WORKER, None))
+            KVComposeConnector(config, KVConnectorRole.WORKER, kv_cache_config))

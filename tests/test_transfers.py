@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
@@ -23,13 +24,13 @@ from .connector_support import RECORDING, composite_pair, make_blocks, make_requ
 TRACEPARENT = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
 
 
-def _pair(vllm_config_with: Callable, scripts: dict[str, dict[str, Any]]) -> tuple[Any, Any]:
+def _pair(vllm_config_with: Callable, scripts: dict[str, dict[str, Any]], kv_cache_config: Any = None) -> tuple[Any, Any]:
     children = []
     for name, script in scripts.items():
         recording.CALL_LOGS.pop(f"transfers/{name}", None)
         children.append({"name": name, **RECORDING, "config": {"log": f"transfers/{name}", "script": script}})
     pipeline = {"version": 1, "name": "xfer", "tracing": {"enabled": True}, "children": children}
-    return composite_pair(vllm_config_with, pipeline)
+    return composite_pair(vllm_config_with, pipeline, kv_cache_config)
 
 
 def _step(scheduler: Any, worker: Any, new: list[Any] = (), finished: set[str] = frozenset()) -> None:  # type: ignore[assignment]
@@ -105,6 +106,38 @@ def test_a_steps_sync_saves_are_each_a_transfer_with_its_savers_outcome(vllm_con
         scheduler.request_finished(request, [1, 2, 3])
     _step(scheduler, worker, finished={request.request_id for request in requests})
     assert worker.request_state_sizes() == {}
+
+
+def test_a_steps_sync_loads_each_end_with_their_own_outcome_and_blocks(vllm_config_with: Callable,
+                                                                       exporter: Any) -> None:
+    """Two requests loaded by one child in one step (recorded at once, per outcome): the load whose block the
+    child reports as a load error failed, the other did not; each moved its own blocks."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    page = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    kv_cache = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], page)])
+    block_bytes = 2 * page.page_size_bytes
+    cold = {"matches": {"r1": [[256, False]], "r2": [[256, False]]}, "load_errors": [4]}  # two blocks each
+    scheduler, worker = _pair(vllm_config_with, {"hot": {}, "cold": cold}, kv_cache)
+    requests = [make_request("r1", TRACEPARENT), make_request("r2", TRACEPARENT)]
+    for request, blocks in zip(requests, ((1, 2, 3), (4, 5, 6)), strict=True):
+        tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
+        scheduler.update_state_after_alloc(request, make_blocks(*blocks), tokens)
+    _step(scheduler, worker, new=requests)
+
+    table = worker.get_kv_connector_stats().transfers
+    assert table.transfers("cold", "load") == 2
+    assert table.failed("cold", "load", "failed") == 1
+    assert table.in_flight_change("cold", "load") == 0
+    loaded_blocks = 2 * -(-256 // worker._vllm_config.cache_config.block_size)
+    assert table.bytes_moved("cold", "load") == loaded_blocks * block_bytes
+    assert table.bytes_moved("hot", "save") == 6 * block_bytes  # three blocks of each request
+    loads = {span.attributes[attr.REQUEST_ID]: span for span in _transfers(exporter)
+             if span.attributes[attr.TRANSFER_DIRECTION] == "load"}
+    assert {req_id: span.attributes[attr.TRANSFER_OUTCOME] for req_id, span in loads.items()} == {
+        "r1": "ok", "r2": "failed"}
+    assert loads["r1"].attributes[attr.TRANSFER_BLOCKS] == loads["r2"].attributes[attr.TRANSFER_BLOCKS] == (
+        loaded_blocks // 2)
 
 
 def test_an_async_load_ends_when_its_child_reports_it(vllm_config_with: Callable, exporter: Any) -> None:

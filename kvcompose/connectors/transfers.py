@@ -128,7 +128,9 @@ class TransferTracker:
         self._block_bytes = block_bytes
         self._recorder = recorder
         self._tracer = tracer
-        self._step_loads: list[_Transfer] = []  # sync loads of the bound step
+        # Sync loads of the bound step, each a (request id, child, block ids, span context or None): they start at
+        # bind and end at the step's last layer wait together, so they are recorded at once, per child and outcome.
+        self._step_loads: list[tuple[str, int, tuple[int, ...], SpanContextIds | None]] = []
         # Sync saves of the bound step, each a (request id, blocks, span context or None), by every sync saver:
         # they start at bind and end at the step's wait_for_save together, so each saver's are recorded at once.
         self._step_saves: list[tuple[str, int, SpanContextIds | None]] = []
@@ -137,7 +139,6 @@ class TransferTracker:
         self._contexts: Mapping[str, SpanContextIds] = {}  # request id -> span context, of the bound step's traced
         self._failures_at_bind: list[int] = []
         self._load_error_blocks: set[int] = set()
-        self._step_load_blocks: dict[str, tuple[int, ...]] = {}
         self._open: dict[tuple[int, str, str], _Transfer] = {}  # (child, request or job id, direction)
         self._next_expiry_check = 0
 
@@ -157,12 +158,11 @@ class TransferTracker:
         for req_id, plan in (metadata.loads or {}).items():
             if self._modes[plan.child] == "jobs":
                 continue  # its jobs say more, below
-            transfer = self._start(plan.child, "load", req_id, len(plan.block_ids))
             if plan.load_async:
-                self._open[(plan.child, req_id, "load")] = transfer
-            else:
-                self._step_loads.append(transfer)
-                self._step_load_blocks[req_id] = plan.block_ids
+                self._open[(plan.child, req_id, "load")] = self._start(plan.child, "load", req_id, len(plan.block_ids))
+            else:  # told to the recorder once they end (see _end_step_loads)
+                self._step_loads.append((req_id, plan.child, plan.block_ids,
+                                         self._contexts.get(req_id) if self._contexts else None))
         if metadata.saves and self._savers:  # told to the recorder once they end (see _end_step_saves)
             contexts = self._contexts
             self._step_saves += [(req_id, blocks, contexts.get(req_id) if contexts else None)
@@ -210,13 +210,9 @@ class TransferTracker:
         if not (self._step_loads or self._step_saves or self._open):  # the step moved nothing tracked
             self._load_end_ns, self._load_error_blocks = 0, set()
             return
-        end, failed_children = self._load_end_ns or time_ns(), self._failed_children()
-        for transfer in self._step_loads:
-            failed = failed_children[transfer.child] or not self._load_error_blocks.isdisjoint(
-                self._step_load_blocks.get(transfer.req_id, ()))
-            self._end(transfer, end, "failed" if failed else "ok")
+        if self._step_loads:
+            self._end_step_loads(self._load_end_ns or time_ns())
         self.saves_skipped()  # saves left open: the step had no wait_for_save
-        self._step_loads, self._step_load_blocks = [], {}
         self._load_end_ns = 0
         self._load_error_blocks = set()
         self._expire()
@@ -296,6 +292,29 @@ class TransferTracker:
         if context is not None:
             self._span(transfer.child, transfer.direction, transfer.req_id, transfer.blocks, context,
                        transfer.start_ns, end_ns, outcome, error_type)
+
+    def _end_step_loads(self, end_ns: int) -> None:
+        """The step's sync loads end (failed where the loader failed this step, or reported one of the load's
+        blocks as an error), told to the recorder once per child and outcome."""
+        loads, self._step_loads = self._step_loads, []
+        failed_children, error_blocks = self._failed_children(), self._load_error_blocks
+        start_ns = self._bound_at
+        seconds = (end_ns - start_ns) / 1e9 if end_ns > start_ns else 0.0
+        ended: dict[tuple[int, Literal["ok", "failed"]], list[Any]] = {}  # -> [loads, blocks, a traced one's trace id]
+        for req_id, child, block_ids, context in loads:
+            outcome: Literal["ok", "failed"] = (
+                "failed" if failed_children[child] or not error_blocks.isdisjoint(block_ids) else "ok")
+            if (group := ended.get((child, outcome))) is None:
+                group = ended[(child, outcome)] = [0, 0, None]
+            group[0] += 1
+            group[1] += len(block_ids)
+            if context is not None:
+                group[2] = context.trace_id
+                self._span(child, "load", req_id, len(block_ids), context, start_ns, end_ns, outcome)
+        for (child, outcome), (count, blocks, trace_id) in ended.items():
+            self._recorder.ended(child, "load", seconds, blocks * self._block_bytes, outcome,
+                                 None if trace_id is None else format(trace_id, "032x"), count,
+                                 started_together=True)
 
     def _end_step_saves(self, end_ns: int, aborted: bool) -> None:
         """The step's sync saves end, each saver's at once (``aborted``, or done: failed where the saver
