@@ -41,7 +41,9 @@ def scheduler_output(
     return output
 
 
-def composite_pair(vllm_config_with: Callable, pipeline: dict[str, Any], kv_cache_config: Any = None) -> tuple[Any, Any]:
+def composite_pair(
+    vllm_config_with: Callable, pipeline: dict[str, Any], kv_cache_config: Any = None,
+) -> tuple[Any, Any]:
     """A scheduler-side and a worker-side KVComposeConnector over ``pipeline`` (the worker's KV cache as
     ``kv_cache_config`` says, if given)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole

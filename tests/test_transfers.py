@@ -24,7 +24,9 @@ from .connector_support import RECORDING, composite_pair, make_blocks, make_requ
 TRACEPARENT = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
 
 
-def _pair(vllm_config_with: Callable, scripts: dict[str, dict[str, Any]], kv_cache_config: Any = None) -> tuple[Any, Any]:
+def _pair(
+    vllm_config_with: Callable, scripts: dict[str, dict[str, Any]], kv_cache_config: Any = None,
+) -> tuple[Any, Any]:
     children = []
     for name, script in scripts.items():
         recording.CALL_LOGS.pop(f"transfers/{name}", None)
