@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from kvcompose.config import TracingSection
 from kvcompose.tracing.export_process import CHECK_ENGINE_S, READ_EVERY_S
 from kvcompose.tracing.records import IDS, SpanRecord
-from kvcompose.tracing.ring import READ, SLEEPING
+from kvcompose.tracing.ring import READ, SLEEPING, Ring
 from kvcompose.tracing.sampling import Sampling, sampling_for
 from kvcompose.tracing.shipping import ProcessShipper
 
@@ -84,9 +86,10 @@ def test_a_sleeping_exporter_is_woken_by_a_ship() -> None:
         receiver.stop()
 
 
-def test_while_records_keep_coming_the_exporter_reads_on_its_schedule_not_at_every_ship() -> None:
-    """A wake-up costs the exporter about 0.1 ms of CPU, and a tracing engine ships ten times a second: once
-    awake it reads every READ_EVERY_S, not once per ship."""
+@contextlib.contextmanager
+def _exporter_that_just_read() -> Iterator[tuple[ProcessShipper, Ring]]:
+    """A shipper whose exporter process has just read its first ship (records came: it reads again in
+    READ_EVERY_S, unless woken), and the ring between them."""
     receiver = start_receiver()
     shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
     try:
@@ -94,6 +97,16 @@ def test_while_records_keep_coming_the_exporter_reads_on_its_schedule_not_at_eve
         ring = shipper._ring
         assert ring is not None
         wait_until(lambda: not ring.unread())
+        yield shipper, ring
+    finally:
+        shipper.close()
+        receiver.stop()
+
+
+def test_while_records_keep_coming_the_exporter_reads_on_its_schedule_not_at_every_ship() -> None:
+    """A wake-up costs the exporter about 0.1 ms of CPU, and a tracing engine ships ten times a second: once
+    awake it reads every READ_EVERY_S, not once per ship."""
+    with _exporter_that_just_read() as (shipper, ring):
         reads, last_read, ships = 0, ring.counter(READ), 0
         began = time.monotonic()
         while (elapsed := time.monotonic() - began) < 2 * READ_EVERY_S:
@@ -103,21 +116,12 @@ def test_while_records_keep_coming_the_exporter_reads_on_its_schedule_not_at_eve
             if (read := ring.counter(READ)) != last_read:
                 reads, last_read = reads + 1, read
             time.sleep(0.001)
-        assert ships >= 30
-        assert 1 <= reads <= 4, f"{reads} reads for {ships} ships in {2 * READ_EVERY_S} s"
-    finally:
-        shipper.close()
-        receiver.stop()
+    assert ships >= 30
+    assert 1 <= reads <= 4, f"{reads} reads for {ships} ships in {2 * READ_EVERY_S} s"
 
 
 def test_a_ring_half_full_wakes_the_exporter_before_its_next_read() -> None:
-    receiver = start_receiver()
-    shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
-    try:
-        shipper.ship(_records(shipper, 2, IDS.trace_id()))
-        ring = shipper._ring
-        assert ring is not None
-        wait_until(lambda: not ring.unread())  # it read: now it waits READ_EVERY_S, unless woken
+    with _exporter_that_just_read() as (shipper, ring):
         shipper.ship(_records(shipper, 2, IDS.trace_id()))
         time.sleep(READ_EVERY_S / 10)
         assert ring.unread(), "read at once: the exporter is woken by every ship"
@@ -126,9 +130,6 @@ def test_a_ring_half_full_wakes_the_exporter_before_its_next_read() -> None:
             shipper.ship(_records(shipper, 2000, IDS.trace_id()))
         wait_until(lambda: not ring.unread(), timeout_s=READ_EVERY_S)
         assert time.monotonic() - shipped < READ_EVERY_S * 0.9
-    finally:
-        shipper.close()
-        receiver.stop()
 
 
 def test_a_collector_outage_drops_and_counts_with_bounded_memory() -> None:
