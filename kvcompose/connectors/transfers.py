@@ -346,8 +346,11 @@ class TransferTracker:
                               blocks * self._block_bytes, outcome, error_type or None)
 
     def _failed_children(self) -> list[bool]:
-        """Per child: did it fail in this step (see :meth:`_failed_this_step`)?"""
-        return [self._failed_this_step(child) for child in range(len(self._guards))]
+        """Per child: did it fail in this step (see :meth:`_failed_this_step`)? (Once or twice a step: no call
+        per child.)"""
+        if not (at_bind := self._failures_at_bind):
+            return [False] * len(self._guards)
+        return [guard.failures != failures for guard, failures in zip(self._guards, at_bind, strict=True)]
 
     def _failed_this_step(self, child: int) -> bool:
         return bool(self._failures_at_bind) and self._guards[child].failures != self._failures_at_bind[child]

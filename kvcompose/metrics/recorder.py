@@ -49,6 +49,7 @@ import threading
 from bisect import bisect_left
 from collections.abc import Callable, Collection, Iterable, Sequence
 from time import monotonic, perf_counter
+from types import CellType
 from typing import TYPE_CHECKING, Any
 
 from kvcompose.metrics.table import COUNTERS, OPS, CallTable, Cells, ErrorCounts, LoadErrors
@@ -85,12 +86,7 @@ def countdown(function, instance, sampled):
         if left:
             return function(instance, {arguments})
         return sampled({arguments})
-    def read():
-        return left
-    def write(value):
-        nonlocal left
-        left = value
-    return call, read, write
+    return call
 """
 
 
@@ -128,8 +124,9 @@ class OperationSampler:
         self._fold = fold
         self._period = 1  # the countdown's value when it last started again
         self._credited = 0  # calls of this period already credited (by an idle flush)
-        self._read: Callable[[], int] = lambda: 1
-        self._write: Callable[[int], None] = lambda value: None
+        # The countdown (calls left until the next timed one), kept in the counted-down call's closure cell and
+        # read and written here through the cell, without a call; a cell of its own until :meth:`around`.
+        self._left = CellType(1)
 
     def around(self, forward: Callable[..., Any], sampled: Callable[..., Any]) -> Callable[..., Any]:
         """``forward`` (a bound method), counted down: every ``every``-th call goes to ``sampled`` instead
@@ -137,7 +134,8 @@ class OperationSampler:
         parameters, arguments = _call_shape(forward)
         namespace: dict[str, Any] = {}
         exec(_COUNTDOWN.format(parameters=parameters, arguments=arguments), namespace)  # noqa: S102
-        call, self._read, self._write = namespace["countdown"](forward.__func__, forward.__self__, sampled)
+        call = namespace["countdown"](forward.__func__, forward.__self__, sampled)
+        self._left = call.__closure__[call.__code__.co_freevars.index("left")]
         return call
 
     def begin(self) -> None:
@@ -147,29 +145,29 @@ class OperationSampler:
         if len(self._pending) >= MAX_PENDING_CALLS:
             self._fold()
         self._pending.append((-1, calls - self._credited, self.index))  # the timed calls that follow weigh this
-        self._write(self.every)
+        self._left.cell_contents = self.every
         self._period, self._credited = self.every, 0
         self.timed_calls += 1
 
     def count_traced(self) -> bool:
         """A traced call, counted like any other; True if the countdown runs out with it: it is then the one
         to time, and begins the sample."""
-        left = self._read()
-        if left > 1:
-            self._write(left - 1)
+        cell = self._left
+        if (left := cell.cell_contents) > 1:
+            cell.cell_contents = left - 1
             return False
         self.begin()
         return True
 
     def take_uncredited(self) -> int:
         """Calls since the last timed call that no flush credited yet; they count as credited now."""
-        calls = self._period - self._read() - self._credited
+        calls = self._period - self._left.cell_contents - self._credited
         self._credited += calls
         return calls
 
     def time_next(self) -> None:
         """The next call is timed (everything before it has been credited)."""
-        self._write(1)
+        self._left.cell_contents = 1
         self._period, self._credited = 1, 0
 
 
