@@ -31,7 +31,7 @@ request the traced ones. A call that raised is traced back to its child by
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -116,8 +116,7 @@ class ChildCalls:
         plain calls."""
         changed = operations ^ self._traced_by_default
         self._traced_by_default = operations
-        for name in changed:
-            self._rest(name)
+        self._rest(changed)  # twice in a traced step: one call, not one per operation
 
     def set_layer_load_marker(self, marker: Callable[[str], None] | None) -> None:
         """Call ``marker`` (None: nothing) after the loaders' waits of every layer, from now on."""
@@ -127,7 +126,7 @@ class ChildCalls:
         for fanout in self._variants.values():  # once or twice a step: no rebuild
             calls = fanout.wait_for_layer_load[:-1] if previous is not None else fanout.wait_for_layer_load
             fanout.wait_for_layer_load = calls + (marker,) if marker is not None else calls
-        self._rest("wait_for_layer_load")
+        self._rest(("wait_for_layer_load",))
 
     def fanout(self, variant: Variant) -> Fanout:
         """The calls of ``variant`` (the plain ones where that variant is not made); rebuilt in place."""
@@ -159,15 +158,16 @@ class ChildCalls:
             if name == "wait_for_layer_load" and self._layer_load_marker is not None:
                 calls.append(self._layer_load_marker)
             setattr(fanout, name, tuple(calls))
-        self._rest(name)
+        self._rest((name,))
 
-    def _rest(self, name: str) -> None:
-        """``current`` (and ``resting``, ``timing``) take the operation's calls as it rests now."""
-        resting, timing = self._traced if name in self._traced_by_default else self._untraced
-        calls = getattr(resting, name)
-        setattr(self.resting, name, calls)
-        setattr(self.timing, name, getattr(timing, name))
-        setattr(self.current, name, calls)
+    def _rest(self, names: Iterable[str]) -> None:
+        """``current`` (and ``resting``, ``timing``) take these operations' calls as they rest now."""
+        for name in names:
+            resting, timing = self._traced if name in self._traced_by_default else self._untraced
+            calls = getattr(resting, name)
+            setattr(self.resting, name, calls)
+            setattr(self.timing, name, getattr(timing, name))
+            setattr(self.current, name, calls)
 
     def _takes_part(self, child: Child, operation: Operation) -> bool:
         if (operation.children == "loaders" and not child.load) or (operation.children == "savers" and not child.save):
