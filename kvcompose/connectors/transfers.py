@@ -341,19 +341,15 @@ class TransferTracker:
     ) -> None:
         """A traced transfer's ``kvcompose.transfer`` span."""
         if outcome == "failed" and not error_type:
-            error_type = self._guards[child].last_error_type if self._failed_this_step(child) else FAILED_TRANSFER
+            error_type = self._guards[child].last_error_type if self._failed_children()[child] else FAILED_TRANSFER
         self._tracer.transfer(context, self._specs[child], req_id, direction, start_ns, end_ns, blocks,
                               blocks * self._block_bytes, outcome, error_type or None)
 
     def _failed_children(self) -> list[bool]:
-        """Per child: did it fail in this step (see :meth:`_failed_this_step`)? (Once or twice a step: no call
-        per child.)"""
+        """Per child: did it fail in this step (its guard counted a failure since the step was bound)?"""
         if not (at_bind := self._failures_at_bind):
             return [False] * len(self._guards)
         return [guard.failures != failures for guard, failures in zip(self._guards, at_bind, strict=True)]
-
-    def _failed_this_step(self, child: int) -> bool:
-        return bool(self._failures_at_bind) and self._guards[child].failures != self._failures_at_bind[child]
 
     def _end_all_of(self, child: int, outcome: Literal["ok", "failed", "aborted"], error_type: str = "") -> None:
         end = time_ns()
