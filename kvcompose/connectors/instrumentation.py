@@ -97,9 +97,8 @@ class Instrumentation:
             sample_every=metrics.sample_every,
         )
         self.tracer = pipeline_tracer(pipeline, role.name.lower())
-        # The tracer again where tracing is on, for what it does every step; None: nothing, not even a call.
-        self._step_tracer = self.tracer if isinstance(self.tracer, PipelineTracer) else None
-        self._tracing = tracing.enabled
+        # The tracer again where tracing is on (None: off), so that a step with tracing off makes no call to it.
+        self._active_tracer = self.tracer if isinstance(self.tracer, PipelineTracer) else None
         self._layer_spans = tracing.granularity == "layer"
         self._transfer_recorder = TransferRecorder(metrics.enabled, names, metrics.transfer_buckets)
         self._specs = specs
@@ -133,15 +132,16 @@ class Instrumentation:
     def call_wrappers(self) -> CallWrappers:
         """What the children's calls get: the recorder's timer and the tracer's span, in the timed and
         traced variants; the taps, in every variant."""
-        recorder, tracer = self.recorder, self.tracer
+        recorder, tracer = self.recorder, self._active_tracer
 
         def timed(child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
             return recorder.timed(child.name, operation, call)
 
         def traced(child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
-            return tracer.traced(child.spec, operation, call)  # type: ignore[union-attr]
+            assert tracer is not None
+            return tracer.traced(child.spec, operation, call)
 
-        return CallWrappers(timed=timed if recorder.enabled else None, traced=traced if self._tracing else None,
+        return CallWrappers(timed=timed if recorder.enabled else None, traced=traced if tracer is not None else None,
                             tapped=self._tap)
 
     def _tap(self, child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
@@ -284,7 +284,7 @@ class Instrumentation:
     def _attach_scheduler(self) -> None:
         for name, operation, forward in self._forwarded_here():
             call = self._counted_down(operation, forward)
-            if self._tracing and operation.traced and operation.granularity is Granularity.REQUEST:
+            if self._active_tracer is not None and operation.traced and operation.granularity is Granularity.REQUEST:
                 call = self._traced_if_sampled(operation, forward, call)
             if name == "update_state_after_alloc":
                 call = self._admitting(call)
@@ -344,7 +344,7 @@ class Instrumentation:
     def _building_metadata(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """build_connector_meta: what the workers need to track transfers and join traces, and whether they
         flush their stats."""
-        tracer, job_children = self._step_tracer, self._job_children
+        tracer, job_children = self._active_tracer, self._job_children
 
         def build_connector_meta(scheduler_output: Any) -> KVComposeMetadata:
             metadata = call(scheduler_output)
@@ -374,7 +374,7 @@ class Instrumentation:
 
     def _traced_in_steps(self, operation: Operation) -> bool:
         """Does a traced step call this operation's traced calls? (Per-layer ones only at layer granularity.)"""
-        return self._tracing and operation.traced and (
+        return self._active_tracer is not None and operation.traced and (
             operation.granularity is Granularity.STEP
             or (operation.granularity is Granularity.LAYER and self._layer_spans))
 
@@ -390,8 +390,8 @@ class Instrumentation:
 
     def _binding(self, bind: Callable[..., Any]) -> Callable[..., Any]:
         def bind_connector_metadata(metadata: KVComposeMetadata) -> None:
-            traced = (tracer := self._step_tracer) is not None and tracer.begin_step(metadata.traced_requests,
-                                                                                     metadata.loads)
+            tracer = self._active_tracer
+            traced = tracer is not None and tracer.begin_step(metadata.traced_requests, metadata.loads)
             transfers = self._transfers
             # after the tracer: its transfers join their requests' traces
             moves = transfers is not None and transfers.begin_step(metadata)
@@ -418,8 +418,8 @@ class Instrumentation:
                 if self._marking_layer_loads:
                     self._calls.set_layer_load_marker(None)  # type: ignore[union-attr]
                     self._marking_layer_loads = False
-            if self._step_tracer is not None:
-                self._step_tracer.end_step()
+            if self._active_tracer is not None:
+                self._active_tracer.end_step()
             if self._step_traced:  # back to the plain calls
                 self._calls.trace_by_default(frozenset())  # type: ignore[union-attr]
                 self._step_traced = False
