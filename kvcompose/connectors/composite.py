@@ -104,6 +104,15 @@ if TYPE_CHECKING:
 class KVComposeConnector(KVConnectorBase_V1):
     """A KV connector made of the named children of a kvcompose pipeline."""
 
+    # The composite's own state lives in slots. The instance dict keeps vLLM's base class attributes and the
+    # methods the instrumentation installs: with both on it, the scheduler's and the worker's composites in one
+    # process (a single-GPU engine) would need more than the 30 keys CPython shares between the instances of a
+    # class, and the one made second would get a dict of its own, making every attribute read of its hot
+    # path slower (wait_for_layer_load, metrics on: +38 ns of 190, 2 children).
+    __slots__ = ("pipeline", "children", "_instrumentation", "_guards", "_open_guards", "_breakers_changed",
+                 "_child_calls", "_calls", "_loaders", "_choose_loader", "_pairing", "_scheduler_ledger",
+                 "_lookup_rounds", "_steps", "_worker_ledger")
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.pipeline = pipeline_from_vllm_config(vllm_config)
