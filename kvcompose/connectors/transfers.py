@@ -131,9 +131,9 @@ class TransferTracker:
         # Sync loads of the bound step, each a (request id, child, block ids, span context or None): they start at
         # bind and end at the step's last layer wait together, so they are recorded at once, per child and outcome.
         self._step_loads: list[tuple[str, int, tuple[int, ...], SpanContextIds | None]] = []
-        # Sync saves of the bound step, each a (request id, blocks, span context or None), by every sync saver:
-        # they start at bind and end at the step's wait_for_save together, so each saver's are recorded at once.
-        self._step_saves: list[tuple[str, int, SpanContextIds | None]] = []
+        # Sync saves of the bound step, request id -> blocks (its metadata's ``saves``), by every sync saver: they
+        # start at bind and end at the step's wait_for_save together, so each saver's are recorded at once.
+        self._step_saves: Mapping[str, int] = {}
         self._load_end_ns = 0  # the step's last layer wait
         self._bound_at = 0  # when the step was bound (ns since the epoch)
         self._contexts: Mapping[str, SpanContextIds] = {}  # request id -> span context, of the bound step's traced
@@ -164,9 +164,7 @@ class TransferTracker:
                 self._step_loads.append((req_id, plan.child, plan.block_ids,
                                          self._contexts.get(req_id) if self._contexts else None))
         if metadata.saves and self._savers:  # told to the recorder once they end (see _end_step_saves)
-            contexts = self._contexts
-            self._step_saves += [(req_id, blocks, contexts.get(req_id) if contexts else None)
-                                 for req_id, blocks in metadata.saves.items()]
+            self._step_saves = metadata.saves
         for req_id, savers in (metadata.async_saves or {}).items():
             for child in savers:
                 if self._modes[child] == "finish":
@@ -319,14 +317,16 @@ class TransferTracker:
     def _end_step_saves(self, end_ns: int, aborted: bool) -> None:
         """The step's sync saves end, each saver's at once (``aborted``, or done: failed where the saver
         failed this step)."""
-        saves, self._step_saves = self._step_saves, []
+        saves, self._step_saves = self._step_saves, {}
         if not saves:
             return
         failed = [] if aborted else self._failed_children()
         start_ns = self._bound_at
         seconds = (end_ns - start_ns) / 1e9 if end_ns > start_ns else 0.0
-        nbytes = sum(blocks for _, blocks, _ in saves) * self._block_bytes
-        traced = [(req_id, blocks, context) for req_id, blocks, context in saves if context is not None]
+        nbytes = sum(saves.values()) * self._block_bytes
+        contexts = self._contexts  # the step's traced requests
+        traced = [(req_id, blocks, context) for req_id, blocks in saves.items()
+                  if (context := contexts.get(req_id)) is not None] if contexts else []
         exemplar = format(traced[-1][2].trace_id, "032x") if traced else None
         for child in self._savers:
             outcome: Literal["ok", "failed", "aborted"] = "aborted" if aborted else "failed" if failed[child] else "ok"
