@@ -230,6 +230,7 @@ def test_tracing_off_wraps_nothing(vllm_config_with: Callable, exporter: Any) ->
     assert worker._calls.save_kv_layer[0] == hot.connector.save_kv_layer  # the child's own bound method
     assert "wait_for_save" not in vars(worker)  # the composite's own method, not wrapped
 
+
 def test_both_sides_instance_dicts_fit_the_keys_cpython_shares(vllm_config_with: Callable, exporter: Any) -> None:
     """The scheduler's and the worker's composites share one process in a single-GPU engine. Past the 30 keys
     CPython shares between a class's instances (SHARED_KEYS_MAX_SIZE), the one made second gets a dict of its
@@ -240,7 +241,6 @@ def test_both_sides_instance_dicts_fit_the_keys_cpython_shares(vllm_config_with:
     keys = set(vars(scheduler)) | set(vars(worker))
     assert {"wait_for_save", "build_connector_meta"} <= keys  # the instrumentation's, on both sides
     assert len(keys) <= 30, sorted(keys)
-
 
 
 @pytest.mark.parametrize(("endpoint", "url"), [
