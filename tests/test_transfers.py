@@ -25,14 +25,23 @@ TRACEPARENT = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba90
 
 
 def _pair(
-    vllm_config_with: Callable, scripts: dict[str, dict[str, Any]], kv_cache_config: Any = None,
+    vllm_config_with: Callable, scripts: dict[str, dict[str, Any]], kv_cache_config: Any = None, tracing: bool = True,
 ) -> tuple[Any, Any]:
     children = []
     for name, script in scripts.items():
         recording.CALL_LOGS.pop(f"transfers/{name}", None)
         children.append({"name": name, **RECORDING, "config": {"log": f"transfers/{name}", "script": script}})
-    pipeline = {"version": 1, "name": "xfer", "tracing": {"enabled": True}, "children": children}
+    pipeline = {"version": 1, "name": "xfer", "tracing": {"enabled": tracing}, "children": children}
     return composite_pair(vllm_config_with, pipeline, kv_cache_config)
+
+
+def _kv_cache() -> tuple[Any, int]:
+    """A worker's KV cache of two layers, and the bytes of one block of it."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    page = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["l0", "l1"], page)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups), 2 * page.page_size_bytes
 
 
 def _step(scheduler: Any, worker: Any, new: list[Any] = (), finished: set[str] = frozenset()) -> None:  # type: ignore[assignment]
@@ -110,36 +119,40 @@ def test_a_steps_sync_saves_are_each_a_transfer_with_its_savers_outcome(vllm_con
     assert worker.request_state_sizes() == {}
 
 
-def test_a_steps_sync_loads_each_end_with_their_own_outcome_and_blocks(vllm_config_with: Callable,
-                                                                       exporter: Any) -> None:
-    """Two requests loaded by one child in one step (recorded at once, per outcome): the load whose block the
-    child reports as a load error failed, the other did not; each moved its own blocks."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    page = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    kv_cache = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], page)])
-    block_bytes = 2 * page.page_size_bytes
-    cold = {"matches": {"r1": [[256, False]], "r2": [[256, False]]}, "load_errors": [4]}  # two blocks each
-    scheduler, worker = _pair(vllm_config_with, {"hot": {}, "cold": cold}, kv_cache)
+def _two_loads_in_one_step(
+    vllm_config_with: Callable, cold: dict[str, Any], tracing: bool,
+) -> tuple[Any, int, int]:
+    """r1 and r2 (256 tokens each) loaded by ``cold`` in their first step, saved by ``hot`` and ``cold``: the
+    worker's transfer table, the bytes both loads move, and the bytes of one block."""
+    kv_cache, block_bytes = _kv_cache()
+    scheduler, worker = _pair(vllm_config_with, {"hot": {}, "cold": cold}, kv_cache, tracing=tracing)
     requests = [make_request("r1", TRACEPARENT), make_request("r2", TRACEPARENT)]
     for request, blocks in zip(requests, ((1, 2, 3), (4, 5, 6)), strict=True):
         tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
         scheduler.update_state_after_alloc(request, make_blocks(*blocks), tokens)
     _step(scheduler, worker, new=requests)
+    loaded_blocks = 2 * -(-256 // worker._vllm_config.cache_config.block_size)
+    return worker.get_kv_connector_stats().transfers, loaded_blocks * block_bytes, block_bytes
 
-    table = worker.get_kv_connector_stats().transfers
+
+def test_a_steps_sync_loads_each_end_with_their_own_outcome_and_blocks(vllm_config_with: Callable,
+                                                                       exporter: Any) -> None:
+    """Two requests loaded by one child in one step (recorded at once, per outcome): the load whose block the
+    child reports as a load error failed, the other did not; each moved its own blocks."""
+    cold = {"matches": {"r1": [[256, False]], "r2": [[256, False]]}, "load_errors": [4]}  # two blocks each
+    table, loaded_bytes, block_bytes = _two_loads_in_one_step(vllm_config_with, cold, tracing=True)
+
     assert table.transfers("cold", "load") == 2
     assert table.failed("cold", "load", "failed") == 1
     assert table.in_flight_change("cold", "load") == 0
-    loaded_blocks = 2 * -(-256 // worker._vllm_config.cache_config.block_size)
-    assert table.bytes_moved("cold", "load") == loaded_blocks * block_bytes
+    assert table.bytes_moved("cold", "load") == loaded_bytes
     assert table.bytes_moved("hot", "save") == 6 * block_bytes  # three blocks of each request
     loads = {span.attributes[attr.REQUEST_ID]: span for span in _transfers(exporter)
              if span.attributes[attr.TRANSFER_DIRECTION] == "load"}
     assert {req_id: span.attributes[attr.TRANSFER_OUTCOME] for req_id, span in loads.items()} == {
         "r1": "ok", "r2": "failed"}
     assert loads["r1"].attributes[attr.TRANSFER_BLOCKS] == loads["r2"].attributes[attr.TRANSFER_BLOCKS] == (
-        loaded_blocks // 2)
+        loaded_bytes // block_bytes // 2)
 
 
 def test_an_async_load_ends_when_its_child_reports_it(vllm_config_with: Callable, exporter: Any) -> None:
@@ -157,6 +170,21 @@ def test_an_async_load_ends_when_its_child_reports_it(vllm_config_with: Callable
     assert _described(load) == ("cold", "load", "ok")
     assert load.end_time - load.start_time >= 20_000_000
     assert worker.request_state_sizes() == {}
+
+
+@pytest.mark.parametrize("cold_fails", [False, True])
+def test_with_tracing_off_a_steps_sync_loads_end_as_their_child_did(vllm_config_with: Callable,
+                                                                     cold_fails: bool) -> None:
+    """No span and no block reported failed: a step's sync loads are recorded from their child's totals, both
+    loads and all their blocks, failed if the child failed in the step (here in wait_for_save: a failed load
+    would report its blocks failed, and be recorded load by load)."""
+    cold = {"matches": {"r1": [[256, False]], "r2": [[256, False]]}, "raises": ["wait_for_save"] if cold_fails else []}
+    table, loaded_bytes, _ = _two_loads_in_one_step(vllm_config_with, cold, tracing=False)
+
+    assert table.transfers("cold", "load") == 2
+    assert table.failed("cold", "load", "failed") == (2 if cold_fails else 0)
+    assert table.bytes_moved("cold", "load") == loaded_bytes
+    assert table.in_flight_change("cold", "load") == 0
 
 
 def test_a_load_whose_request_vllm_finished_first_is_aborted(vllm_config_with: Callable, exporter: Any) -> None:

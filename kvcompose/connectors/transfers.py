@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from kvcompose.connectors.children import ChildSpec
     from kvcompose.connectors.isolation import ChildGuard
-    from kvcompose.connectors.metadata import KVComposeMetadata
+    from kvcompose.connectors.metadata import KVComposeMetadata, LoadPlan
     from kvcompose.metrics.transfers import TransferRecorder
     from kvcompose.tracing.pipeline import NoTracing, PipelineTracer, SpanContextIds
 
@@ -128,9 +128,11 @@ class TransferTracker:
         self._block_bytes = block_bytes
         self._recorder = recorder
         self._tracer = tracer
-        # Sync loads of the bound step, each a (request id, child, block ids, span context or None): they start at
-        # bind and end at the step's last layer wait together, so they are recorded at once, per child and outcome.
-        self._step_loads: list[tuple[str, int, tuple[int, ...], SpanContextIds | None]] = []
+        # Sync loads of the bound step, loading child -> [loads, blocks]: they start at bind and end at the step's
+        # last layer wait together, so they are recorded at once, per child and outcome. The step's planned loads
+        # are read again one by one only where one may end otherwise than its child's others, or is traced.
+        self._step_loads: dict[int, list[int]] = {}
+        self._step_load_plans: Mapping[str, LoadPlan] = {}
         # Sync saves of the bound step, request id -> blocks (its metadata's ``saves``), by every sync saver: they
         # start at bind and end at the step's wait_for_save together, so each saver's are recorded at once.
         self._step_saves: Mapping[str, int] = {}
@@ -155,14 +157,20 @@ class TransferTracker:
             return False
         self._bound_at = time_ns()  # every transfer the step opens starts now
         self._contexts = self._tracer.step_contexts()
+        step_loads = self._step_loads
         for req_id, plan in (metadata.loads or {}).items():
-            if self._modes[plan.child] == "jobs":
+            child = plan.child
+            if self._modes[child] == "jobs":
                 continue  # its jobs say more, below
             if plan.load_async:
-                self._open[(plan.child, req_id, "load")] = self._start(plan.child, "load", req_id, len(plan.block_ids))
-            else:  # told to the recorder once they end (see _end_step_loads)
-                self._step_loads.append((req_id, plan.child, plan.block_ids,
-                                         self._contexts.get(req_id) if self._contexts else None))
+                self._open[(child, req_id, "load")] = self._start(child, "load", req_id, len(plan.block_ids))
+            elif (totals := step_loads.get(child)) is None:  # told to the recorder once they end (_end_step_loads)
+                step_loads[child] = [1, len(plan.block_ids)]
+            else:
+                totals[0] += 1
+                totals[1] += len(plan.block_ids)
+        if step_loads:
+            self._step_load_plans = metadata.loads or {}
         if metadata.saves and self._savers:  # told to the recorder once they end (see _end_step_saves)
             self._step_saves = metadata.saves
         for req_id, savers in (metadata.async_saves or {}).items():
@@ -259,7 +267,8 @@ class TransferTracker:
 
     def sizes(self) -> dict[str, int]:
         sizes = {"open_transfers": len(self._open),
-                 "step_transfers": len(self._step_loads) + len(self._step_saves) * len(self._savers)}
+                 "step_transfers": sum(loads for loads, _ in self._step_loads.values())
+                 + len(self._step_saves) * len(self._savers)}
         return {name: size for name, size in sizes.items() if size}
 
     # ---- helpers ----
@@ -294,21 +303,30 @@ class TransferTracker:
     def _end_step_loads(self, end_ns: int) -> None:
         """The step's sync loads end (failed where the loader failed this step, or reported one of the load's
         blocks as an error), told to the recorder once per child and outcome."""
-        loads, self._step_loads = self._step_loads, []
-        failed_children, error_blocks = self._failed_children(), self._load_error_blocks
+        totals, self._step_loads = self._step_loads, {}
+        plans, self._step_load_plans = self._step_load_plans, {}
+        failed_children, error_blocks, contexts = self._failed_children(), self._load_error_blocks, self._contexts
         start_ns = self._bound_at
         seconds = (end_ns - start_ns) / 1e9 if end_ns > start_ns else 0.0
-        ended: dict[tuple[int, Literal["ok", "failed"]], list[Any]] = {}  # -> [loads, blocks, a traced one's trace id]
-        for req_id, child, block_ids, context in loads:
-            outcome: Literal["ok", "failed"] = (
-                "failed" if failed_children[child] or not error_blocks.isdisjoint(block_ids) else "ok")
-            if (group := ended.get((child, outcome))) is None:
-                group = ended[(child, outcome)] = [0, 0, None]
-            group[0] += 1
-            group[1] += len(block_ids)
-            if context is not None:
-                group[2] = context.trace_id
-                self._span(child, "load", req_id, len(block_ids), context, start_ns, end_ns, outcome)
+        # (child, outcome) -> [loads, blocks, a traced one's trace id]
+        ended: dict[tuple[int, Literal["ok", "failed"]], list[Any]] = {}
+        if not (error_blocks or contexts):  # each child's loads end alike: its totals say it all
+            for child, (count, blocks) in totals.items():
+                ended[(child, "failed" if failed_children[child] else "ok")] = [count, blocks, None]
+        else:  # load by load: one with a block reported failed fails alone, and a traced one is a span
+            for req_id, plan in plans.items():
+                child, block_ids = plan.child, plan.block_ids
+                if child not in totals or plan.load_async:
+                    continue  # not a sync load (a job child's, or an async one)
+                outcome: Literal["ok", "failed"] = (
+                    "failed" if failed_children[child] or not error_blocks.isdisjoint(block_ids) else "ok")
+                if (group := ended.get((child, outcome))) is None:
+                    group = ended[(child, outcome)] = [0, 0, None]
+                group[0] += 1
+                group[1] += len(block_ids)
+                if (context := contexts.get(req_id)) is not None:
+                    group[2] = context.trace_id
+                    self._span(child, "load", req_id, len(block_ids), context, start_ns, end_ns, outcome)
         for (child, outcome), (count, blocks, trace_id) in ended.items():
             self._recorder.ended(child, "load", seconds, blocks * self._block_bytes, outcome,
                                  None if trace_id is None else format(trace_id, "032x"), count,
