@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter, ne
 from time import time_ns
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -51,6 +52,7 @@ EXPIRY_S = 600.0  # an open transfer older than this ends as aborted
 FAILED_TRANSFER = "kvcompose.transfer_failed"  # error.type of a failure the child reported without raising
 _EXPIRY_NS = int(EXPIRY_S * 1e9)
 _EXPIRY_CHECK_NS = 1_000_000_000
+_FAILURES = attrgetter("failures")  # of a child's guard: the failures it counted so far
 
 # How a child reports completion, by its class (or a base class) name.
 _MODES: dict[str, Mode] = {
@@ -218,10 +220,12 @@ class TransferTracker:
             return
         if self._step_loads:
             self._end_step_loads(self._load_end_ns or time_ns())
-        self.saves_skipped()  # saves left open: the step had no wait_for_save
+        if self._step_saves:  # left open: the step had no wait_for_save
+            self.saves_skipped()
         self._load_end_ns = 0
         self._load_error_blocks = set()
-        self._expire()
+        if self._open:
+            self._expire()
 
     # ---- completions reported by children ----
 
@@ -367,7 +371,7 @@ class TransferTracker:
         """Per child: did it fail in this step (its guard counted a failure since the step was bound)?"""
         if not (at_bind := self._failures_at_bind):
             return [False] * len(self._guards)
-        return [guard.failures != failures for guard, failures in zip(self._guards, at_bind, strict=True)]
+        return list(map(ne, map(_FAILURES, self._guards), at_bind))  # each guard's count now != at bind
 
     def _end_all_of(self, child: int, outcome: Literal["ok", "failed", "aborted"], error_type: str = "") -> None:
         end = time_ns()
@@ -376,7 +380,7 @@ class TransferTracker:
 
     def _expire(self) -> None:
         now = time_ns()
-        if not self._open or now < self._next_expiry_check:
+        if now < self._next_expiry_check:
             return
         self._next_expiry_check = now + _EXPIRY_CHECK_NS
         expired = [key for key, transfer in self._open.items() if now - transfer.start_ns > _EXPIRY_NS]
