@@ -32,7 +32,7 @@ from kvcompose.tracing import force_flush
 
 RATES = (0, 100, 1000)  # requests/s; 0: idle
 CHILDREN = 2
-SECONDS = 2.5  # per subject, rate and round
+SECONDS = 2.0  # per subject, rate and round
 
 
 def _sleep_until(due: float) -> None:
@@ -69,7 +69,7 @@ def _at_rate(served: dict[str, Any], rate: int, rounds: int, seconds: float) -> 
     return row
 
 
-def measure(rounds: int = 3, seconds: float = SECONDS) -> list[dict[str, Any]]:
+def measure(rounds: int = 5, seconds: float = SECONDS) -> list[dict[str, Any]]:
     with Collector() as sink:
         served = subjects(CHILDREN, sink.endpoint)
         try:
