@@ -172,19 +172,19 @@ def test_an_async_load_ends_when_its_child_reports_it(vllm_config_with: Callable
     assert worker.request_state_sizes() == {}
 
 
-@pytest.mark.parametrize("cold_fails", [False, True])
-def test_with_tracing_off_a_steps_sync_loads_end_as_their_child_did(vllm_config_with: Callable,
-                                                                     cold_fails: bool) -> None:
-    """No span and no block reported failed: a step's sync loads are recorded from their child's totals, both
-    loads and all their blocks, failed if the child failed in the step (here in wait_for_save: a failed load
-    would report its blocks failed, and be recorded load by load)."""
-    cold = {"matches": {"r1": [[256, False]], "r2": [[256, False]]}, "raises": ["wait_for_save"] if cold_fails else []}
+@pytest.mark.parametrize("cold_fails_in", ["wait_for_save", "start_load_kv"])
+def test_with_tracing_off_a_steps_sync_loads_fail_only_when_they_did(vllm_config_with: Callable,
+                                                                      cold_fails_in: str) -> None:
+    """Both loads and all their blocks are recorded. A loader that fails in a save, after its loads, leaves
+    them done (it fails its saves); one that fails loading has them given back to vLLM, and they failed."""
+    cold = {"matches": {"r1": [[256, False]], "r2": [[256, False]]}, "raises": [cold_fails_in]}
     table, loaded_bytes, _ = _two_loads_in_one_step(vllm_config_with, cold, tracing=False)
 
     assert table.transfers("cold", "load") == 2
-    assert table.failed("cold", "load", "failed") == (2 if cold_fails else 0)
+    assert table.failed("cold", "load", "failed") == (2 if cold_fails_in == "start_load_kv" else 0)
     assert table.bytes_moved("cold", "load") == loaded_bytes
     assert table.in_flight_change("cold", "load") == 0
+    assert table.failed("cold", "save", "failed") == (2 if cold_fails_in == "wait_for_save" else 0)
 
 
 def test_a_load_whose_request_vllm_finished_first_is_aborted(vllm_config_with: Callable, exporter: Any) -> None:

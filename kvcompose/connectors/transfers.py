@@ -17,8 +17,10 @@ child reports completion:
   (the scheduler names those jobs' requests among the step's traced requests).
 
 A transfer ends ``failed`` when its child failed in that step or reported
-the load failed, and ``aborted`` when vLLM finished its request first or it
-outlived :data:`EXPIRY_S`. Each ended transfer is one ``kvcompose.transfer``
+the load failed (a sync load: when one of its blocks was reported failed, by
+its child or by kvcompose giving a failed child's loads back to vLLM; a
+loader that fails in a save leaves its finished loads done), and ``aborted``
+when vLLM finished its request first or it outlived :data:`EXPIRY_S`. Each ended transfer is one ``kvcompose.transfer``
 span (traced requests) and one observation of the transfer metrics. With
 tensor parallelism only the first worker tracks, and bytes count every
 worker's shard.
@@ -305,25 +307,25 @@ class TransferTracker:
                        transfer.start_ns, end_ns, outcome, error_type)
 
     def _end_step_loads(self, end_ns: int) -> None:
-        """The step's sync loads end (failed where the loader failed this step, or reported one of the load's
-        blocks as an error), told to the recorder once per child and outcome."""
+        """The step's sync loads end, told to the recorder once per child and outcome. A load failed when one of
+        its blocks was reported failed, as vLLM sees it: by its child, or by kvcompose giving the loads of a child
+        that failed back to vLLM. (A loader that fails after its loads, in a save, leaves them done.)"""
         totals, self._step_loads = self._step_loads, {}
         plans, self._step_load_plans = self._step_load_plans, {}
-        failed_children, error_blocks, contexts = self._failed_children(), self._load_error_blocks, self._contexts
+        error_blocks, contexts = self._load_error_blocks, self._contexts
         start_ns = self._bound_at
         seconds = (end_ns - start_ns) / 1e9 if end_ns > start_ns else 0.0
         # (child, outcome) -> [loads, blocks, a traced one's trace id]
         ended: dict[tuple[int, Literal["ok", "failed"]], list[Any]] = {}
-        if not (error_blocks or contexts):  # each child's loads end alike: its totals say it all
+        if not (error_blocks or contexts):  # every load done: each child's totals say it all
             for child, (count, blocks) in totals.items():
-                ended[(child, "failed" if failed_children[child] else "ok")] = [count, blocks, None]
+                ended[(child, "ok")] = [count, blocks, None]
         else:  # load by load: one with a block reported failed fails alone, and a traced one is a span
             for req_id, plan in plans.items():
                 child, block_ids = plan.child, plan.block_ids
                 if child not in totals or plan.load_async:
                     continue  # not a sync load (a job child's, or an async one)
-                outcome: Literal["ok", "failed"] = (
-                    "failed" if failed_children[child] or not error_blocks.isdisjoint(block_ids) else "ok")
+                outcome: Literal["ok", "failed"] = "ok" if error_blocks.isdisjoint(block_ids) else "failed"
                 if (group := ended.get((child, outcome))) is None:
                     group = ended[(child, outcome)] = [0, 0, None]
                 group[0] += 1
