@@ -20,10 +20,10 @@ A transfer ends ``failed`` when its child failed in that step or reported
 the load failed (a sync load: when one of its blocks was reported failed, by
 its child or by kvcompose giving a failed child's loads back to vLLM; a
 loader that fails in a save leaves its finished loads done), and ``aborted``
-when vLLM finished its request first or it outlived :data:`EXPIRY_S`. Each ended transfer is one ``kvcompose.transfer``
-span (traced requests) and one observation of the transfer metrics. With
-tensor parallelism only the first worker tracks, and bytes count every
-worker's shard.
+when vLLM finished its request first or it outlived :data:`EXPIRY_S`. Each
+ended transfer is one ``kvcompose.transfer`` span (traced requests) and one
+observation of the transfer metrics. With tensor parallelism only the first
+worker tracks, and bytes count every worker's shard.
 """
 
 from __future__ import annotations
