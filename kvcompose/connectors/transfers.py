@@ -323,8 +323,8 @@ class TransferTracker:
         else:  # load by load: one with a block reported failed fails alone, and a traced one is a span
             for req_id, plan in plans.items():
                 child, block_ids = plan.child, plan.block_ids
-                if child not in totals or plan.load_async:
-                    continue  # not a sync load (a job child's, or an async one)
+                if plan.load_async or self._modes[child] == "jobs":
+                    continue  # not a sync load: begin_step opened it, or its jobs did
                 outcome: Literal["ok", "failed"] = "ok" if error_blocks.isdisjoint(block_ids) else "failed"
                 if (group := ended.get((child, outcome))) is None:
                     group = ended[(child, outcome)] = [0, 0, None]
