@@ -4,6 +4,9 @@ Subjects, all over no-op children (see ``benchmarks/connectors.py``):
 
 - ``direct``: one child called directly (the floor is ``children`` such calls);
 - ``multi``: vLLM's MultiConnector;
+- ``multi_twin``: a second, identical MultiConnector: its ratio to ``multi`` is
+  how far two identical subjects read apart in this run (a ratio a few percent
+  from 1.0 says no more than that);
 - ``kvc_bare``: KVComposeConnector, metrics and tracing off;
 - ``kvc_off``: KVComposeConnector as shipped: metrics on (one call in
   ``metrics.sample_every`` timed, every call counted), tracing off;
@@ -41,7 +44,7 @@ KVCOMPOSE_SUBJECTS: dict[str, tuple[bool, str | None]] = {
     "kvc_step": (True, "step"),
     "kvc_layer": (True, "layer"),
 }
-SUBJECTS = ("direct", "multi", *KVCOMPOSE_SUBJECTS)
+SUBJECTS = ("direct", "multi", "multi_twin", *KVCOMPOSE_SUBJECTS)
 # operation -> (side, statement); ``c`` is the subject, ``request`` a real vLLM Request
 OPERATIONS: dict[str, tuple[str, str]] = {
     "start_load_kv": ("worker", "c.start_load_kv(None)"),
@@ -69,8 +72,8 @@ def build_subjects(children: int) -> dict[str, dict[str, Any]]:
     """side -> subject name -> connector, every kvcompose worker bound to the same kind of step."""
     sides: dict[str, dict[str, Any]] = {}
     for side in ("scheduler", "worker"):
-        multi = multi_connector(children, side)
-        sides[side] = {"direct": multi.sub_connectors[0], "multi": multi}
+        multi, twin = multi_connector(children, side), multi_connector(children, side)
+        sides[side] = {"direct": multi.sub_connectors[0], "multi": multi, "multi_twin": twin}
     for name, (metrics, tracing) in KVCOMPOSE_SUBJECTS.items():
         bench_pipeline = pipeline(children, metrics=metrics, tracing=tracing)
         scheduler = sides["scheduler"][name] = kvcompose_connector(bench_pipeline, "scheduler", subject=name)
@@ -102,13 +105,13 @@ def measure(rounds: int = 5, sample_s: float = 0.05, calls: int | None = None) -
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: ns per call, and each kvcompose figure as a ratio to MultiConnector."""
-    header = ["op", "children", "direct", "multi", *(name.removeprefix("kvc_") for name in KVCOMPOSE_SUBJECTS),
-              "off / floor"]
+    header = ["op", "children", "direct", "multi", "multi twin",
+              *(name.removeprefix("kvc_") for name in KVCOMPOSE_SUBJECTS), "off / floor"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in rows:
         ns, ratio = row["ns"], row["vs_multi"]
         cells = [row["op"], str(row["children"]), f"{ns['direct']:.0f}", f"{ns['multi']:.0f}",
-                 *(f"{ns[name]:.0f} ({ratio[name]:.2f}x)" for name in KVCOMPOSE_SUBJECTS),
+                 *(f"{ns[name]:.0f} ({ratio[name]:.2f}x)" for name in ("multi_twin", *KVCOMPOSE_SUBJECTS)),
                  f"{row['off_vs_floor']:.1f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from benchmarks import end_to_end, hot_path, stats_merge, targets
+from benchmarks import end_to_end, hot_path, loop_shapes, stats_merge, targets
 from kvcompose.tracing import set_span_exporter
 
 from .span_support import FlushedSpans
@@ -36,7 +36,23 @@ def test_hot_path_times_every_subject_for_every_call() -> None:
         assert set(row["vs_multi"]) == set(hot_path.SUBJECTS) - {"multi"} and _finite(row["vs_multi"].values())
         assert _finite([row["off_vs_floor"]])
     assert len(hot_path.table(rows).splitlines()) == 2 + len(rows)
-    assert len(targets.hot_path_checks(rows)) == 2 * len(rows)  # metrics on, and everything off
+    checks = targets.hot_path_checks(rows)
+    assert len(checks) == 2 * len(rows)  # metrics on, and everything off
+    assert all("two identical MultiConnectors" in check.value for check in checks[1::2])
+
+
+def test_loop_shapes_time_every_shape_over_every_child() -> None:
+    rows = loop_shapes.measure(rounds=1, sample_s=0.001)
+
+    assert [row["children"] for row in rows] == list(loop_shapes.CHILD_COUNTS)
+    for row in rows:
+        assert set(row["ns"]) == set(loop_shapes.SUBJECTS) and _finite(row["ns"].values())
+        assert row["vs_multi"]["multi"] == 1.0
+    assert len(loop_shapes.table(rows).splitlines()) == 2 + len(rows) + 2
+    # Each shape's loop calls every child: a shorter loop would read cheaper for nothing.
+    calls_made = {len(loop_shapes.MultiShaped(8)._children), len(loop_shapes.Isolating(8)._children),
+                  len(loop_shapes.Prebound(8)._calls), len(loop_shapes.KVComposeShaped(8)._calls.wait)}
+    assert calls_made == {8}
 
 
 def test_traced_subjects_make_spans_in_their_bound_step() -> None:
@@ -62,6 +78,8 @@ def test_traced_subjects_make_spans_in_their_bound_step() -> None:
     assert spans_of("kvc_step", layer) == set()
     assert spans_of("kvc_layer", layer) == {"kvcompose.save_kv_layer"}
     assert spans_of("kvc_off", save) == set()
+    # The twin is the noise reference: a MultiConnector of its own (the same object would read 1.00x always).
+    assert type(worker["multi_twin"]) is type(worker["multi"]) and worker["multi_twin"] is not worker["multi"]
 
 
 def test_stats_merge_sums_every_worker_and_sizes_the_payload() -> None:
