@@ -5,8 +5,8 @@ Subjects, all over no-op children (see ``benchmarks/connectors.py``):
 - ``direct``: one child called directly (the floor is ``children`` such calls);
 - ``multi``: vLLM's MultiConnector;
 - ``multi_twin``: a second, identical MultiConnector: its ratio to ``multi`` is
-  how far two identical subjects read apart in this run (a ratio a few percent
-  from 1.0 says no more than that);
+  how far two identical subjects read apart in this row of this run, so a
+  kvcompose ratio that close to 1.0 is within the run's noise;
 - ``kvc_bare``: KVComposeConnector, metrics and tracing off;
 - ``kvc_off``: KVComposeConnector as shipped: metrics on (one call in
   ``metrics.sample_every`` timed, every call counted), tracing off;

@@ -37,16 +37,15 @@ class Check:
 
 def hot_path_checks(rows: list[dict[str, Any]]) -> list[Check]:
     """Beside each bare figure, how far two identical MultiConnectors read apart in the same row."""
-    return [
-        Check(f"{row['op']}, {row['children']} children: kvcompose {label} <= {limit}x MultiConnector",
-              f"{row['vs_multi'][subject]:.2f}x" + (
-                  f"; two identical MultiConnectors: {row['vs_multi']['multi_twin']:.2f}x" if subject == "kvc_bare"
-                  else ""),
-              row["vs_multi"][subject] <= limit)
-        for row in rows
-        for subject, label, limit in (("kvc_off", "(metrics on, tracing off)", HOT_PATH_MAX_VS_MULTI),
-                                      ("kvc_bare", "(metrics and tracing off)", BARE_MAX_VS_MULTI))
-    ]
+    checks = []
+    for row in rows:
+        ratio = row["vs_multi"]
+        twin = f"; two identical MultiConnectors: {ratio['multi_twin']:.2f}x"
+        for subject, label, limit, beside in (("kvc_off", "(metrics on, tracing off)", HOT_PATH_MAX_VS_MULTI, ""),
+                                              ("kvc_bare", "(metrics and tracing off)", BARE_MAX_VS_MULTI, twin)):
+            target = f"{row['op']}, {row['children']} children: kvcompose {label} <= {limit}x MultiConnector"
+            checks.append(Check(target, f"{ratio[subject]:.2f}x{beside}", ratio[subject] <= limit))
+    return checks
 
 
 def request_cost_checks(rows: list[dict[str, Any]]) -> list[Check]:
