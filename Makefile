@@ -27,4 +27,4 @@ bench: venv
 	$(VENV_PY) -m benchmarks
 
 clean:
-	rm -rf .venv .pytest_cache build *.egg-info
+	rm -rf .venv .pytest_cache

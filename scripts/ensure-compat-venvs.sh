@@ -34,7 +34,7 @@ build() {
     local version=$1 venv=$2
     rm -rf "$venv"
     "$python" -m venv "$venv"
-    "$venv/bin/pip" install --quiet --upgrade pip "setuptools>=68" wheel
+    "$venv/bin/pip" install --quiet --upgrade pip "hatchling>=1.21" wheel
     # Byte-compiled at install (most of a build's CPU time) on purpose: with
     # PYTHONDONTWRITEBYTECODE set, as on these machines, every test process
     # would otherwise compile each module it imports again.

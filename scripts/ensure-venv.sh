@@ -18,7 +18,7 @@ if [ ! -f "$venv/.complete" ]; then
     rm -rf "$venv"
     mkdir -p "$cache"
     "$python" -m venv "$venv"
-    "$venv/bin/pip" install --quiet --upgrade pip "setuptools>=68" wheel
+    "$venv/bin/pip" install --quiet --upgrade pip "hatchling>=1.21" wheel
     # Install the dependencies through the project's test extra, then drop the
     # project itself: it is installed editable from the checkout below.
     "$venv/bin/pip" install --quiet ".[test]" 2> >(grep -v "is ignored: it is neither" >&2)
