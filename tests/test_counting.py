@@ -76,15 +76,16 @@ def test_a_request_finished_while_waiting_counts_no_lookup_and_leaves_nothing(vl
     assert scheduler.request_state_sizes() == {}
 
 
-def test_a_request_readmitted_after_preemption_counts_its_load_but_not_its_lookup(vllm_config_with: Callable) -> None:
-    """As vLLM keeps preempted requests out of its external-cache hit ratio."""
+def test_a_request_readmitted_after_preemption_counts_once(vllm_config_with: Callable) -> None:
+    """Lookups and tokens count once per request: vLLM keeps preempted requests out of its external-cache hit
+    ratio too. (The second load's bytes are a transfer of their own: see the transfer metrics.)"""
     scheduler, _ = composite_pair(vllm_config_with, _pipeline({"hot": {"matches": {"r1": [[32, False]]}}}))
     request = make_request("r1")
     for _ in range(2):
         scheduler.get_num_new_matched_tokens(request, 0)
         scheduler.update_state_after_alloc(request, make_blocks(1, 2), 32)
         request.num_preemptions += 1  # preempted: vLLM looks it up again when it is rescheduled
-    assert _lookup_counters(scheduler) == {"hot": {"lookup_hits": 1, "matched_tokens": 32, "loaded_tokens": 64}}
+    assert _lookup_counters(scheduler) == {"hot": {"lookup_hits": 1, "matched_tokens": 32, "loaded_tokens": 32}}
 
 
 def _load_error_blocks_in_prometheus(config: Any, payload: dict[str, Any], child: str) -> float:

@@ -295,7 +295,7 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
         for request, tokens in ((make_request(f"{child}-hit"), 16), (make_request(f"{child}-miss"), 0)):
             answer = lookup(request, tokens)
             alloc(request, None, tokens)
-            recorder.request_admitted(request, [answer], [index], index if tokens else None, tokens)
+            recorder.request_admitted([answer], [index], index if tokens else None, tokens)
         recorder.timed(child, OPERATIONS["get_block_ids_with_load_errors"], lambda: {1})()
         recorder.count_load_errors(child, 1, {1})
         try:

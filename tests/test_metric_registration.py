@@ -56,7 +56,7 @@ def _payload(child: str, hits: int) -> dict[str, Any]:
     lookup = recorder.timed(child, OPERATIONS["get_num_new_matched_tokens"], lambda request, computed: (16, False))
     for index in range(hits):
         request = make_request(f"r{index}")
-        recorder.request_admitted(request, [lookup(request, 0)], [0], 0, 16)
+        recorder.request_admitted([lookup(request, 0)], [0], 0, 16)
     return KVComposeStats(data={"calls": recorder.take()}).to_dict()
 
 

@@ -336,10 +336,15 @@ def _offload_counter(llm: Any, name: str) -> int:
 
 
 def _prometheus_total(name: str) -> float:
+    return _series_total(name, connector="offload")
+
+
+def _series_total(name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` in this process's registry whose labels include ``labels``."""
     from prometheus_client import REGISTRY
 
     return sum(sample.value for metric in REGISTRY.collect() for sample in metric.samples
-               if sample.name == name and sample.labels.get("connector") == "offload")
+               if sample.name == name and labels.items() <= sample.labels.items())
 
 
 def _overwrite(path: Path, data: bytes) -> None:
@@ -378,6 +383,14 @@ def test_a_repeated_prompt_is_served_from_the_file_backed_offload_child(
     time.sleep(1)
     assert _offload_counter(offload_llm, "vllm:kv_offload_load_bytes") == stored
     assert _prometheus_total("vllm:kv_offload_load_time_total") > 0  # the worker's measured copy time
+    # One miss, then one hit, for each child: the offload child's load is asynchronous, and vLLM calls
+    # update_state_after_alloc a second time once it completes; that call admits nothing new.
+    for child in ("offload", "disk"):
+        assert _series_total("kvcompose_lookups_total", connector=child, result="hit") == 1
+        assert _series_total("kvcompose_lookups_total", connector=child, result="miss") == 1
+        assert _series_total("kvcompose_matched_tokens_total", connector=child) == cached
+    assert _series_total("kvcompose_loaded_tokens_total", connector="offload") == cached
+    assert _series_total("vllm:external_prefix_cache_hits_total") == cached
 
     # The load really reads the file: with noise written into it (the engine maps it shared), the output changes.
     pristine = buffer.read_bytes()

@@ -221,7 +221,7 @@ def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
     for request, tokens in ((make_request("r1"), 32), (make_request("r2"), 0)):
         answer = lookup(request, tokens)
         alloc(request, None, tokens)
-        recorder.request_admitted(request, [answer], [0], 0 if tokens else None, tokens)
+        recorder.request_admitted([answer], [0], 0 if tokens else None, tokens)
     assert errors() == {3, 4}
     with pytest.raises(Failing) as failure:
         save("layer.0", None, None)
@@ -243,10 +243,9 @@ def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
 
 
 def test_a_failed_lookup_counts_neither_as_a_hit_nor_as_a_miss() -> None:
-    from .connector_support import make_request
 
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot", "cold"])
-    recorder.request_admitted(make_request("r1"), [FAILED_LOOKUP, (0, False)], [0, 1], None, 0)
+    recorder.request_admitted([FAILED_LOOKUP, (0, False)], [0, 1], None, 0)
     table = recorder.take()
     assert (table.counter("hot", "lookup_misses"), table.counter("cold", "lookup_misses")) == (0, 1)
 
@@ -323,7 +322,7 @@ def test_reduce_reports_per_child_numbers() -> None:
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"])
     request = make_request("r1")
     answer = _timed(recorder, "hot", "get_num_new_matched_tokens", lambda r, n: (16, False))(request, 0)
-    recorder.request_admitted(request, [answer], [0], 0, 16)
+    recorder.request_admitted([answer], [0], 0, 16)
     reduced = KVComposeStats(data={"calls": recorder.take()}).reduce()
     assert reduced["hot.lookup_hits"] == 1 and reduced["hot.lookup.calls"] == 1
     assert reduced["hot.lookup.mean_ms"] >= 0 and "hot.wait_for_save.calls" not in reduced
@@ -358,7 +357,7 @@ def test_calls_from_two_threads_are_counted_exactly(monkeypatch: pytest.MonkeyPa
                 recorder.count_error(child, OPERATIONS["start_load_kv"], failure.value)
                 request = requests[child][i // 100]
                 answer = lookups[child](request, 0)
-                recorder.request_admitted(request, [answer], [("hot", "cold").index(child)], 0, 16)
+                recorder.request_admitted([answer], [("hot", "cold").index(child)], 0, 16)
                 recorder.count_load_errors(child, i, {i})
 
     threads = [threading.Thread(target=work, args=(child,)) for child in ("hot", "cold")]

@@ -308,18 +308,22 @@ class Instrumentation:
         return call
 
     def _admitting(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        """update_state_after_alloc: the request is admitted; its lookup round counts now."""
+        """update_state_after_alloc: the request is admitted; its lookup round counts now, the first time only.
+        vLLM calls it again for a request it admitted before: once an async load completes, and when a
+        preempted request resumes."""
         recorder, ledger, admitted = self.recorder, self._ledger, self._admitted
         assert ledger is not None
 
         def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> None:
             call(request, blocks, num_external_tokens)
             req_id = request.request_id
+            if req_id in admitted:
+                return
             admitted.add(req_id)
             if recorder.enabled and (looked_up := ledger.rounds.get(req_id)) is not None:
                 answers = looked_up[3]
                 assert answers is not None, "with metrics on, the composite keeps every answer of a lookup"
-                recorder.request_admitted(request, answers, ledger.loaders, ledger.planned_loader(req_id),
+                recorder.request_admitted(answers, ledger.loaders, ledger.planned_loader(req_id),
                                           num_external_tokens)
 
         return update_state_after_alloc

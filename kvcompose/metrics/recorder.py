@@ -24,12 +24,13 @@ What the calls meant is counted where vLLM counts it, told by the
 instrumentation:
 
 - lookups (hit or miss, tokens matched) once per admitted request, when vLLM
-  allocates its blocks, from the loaders' answers in the request's last lookup
-  round (vLLM asks again every step while a request waits for blocks, and
-  counts its own external-cache hits at admission too). Like vLLM's hit
-  ratio, a request readmitted after preemption is not counted again. A loader
-  whose lookup failed is counted neither way;
-- tokens loaded, at admission, for the child chosen to load (if it accepted);
+  first allocates its blocks, from the loaders' answers in the request's last
+  lookup round (vLLM asks again every step while a request waits for blocks, and
+  counts its own external-cache hits at admission too). vLLM allocates again for
+  a request it admitted before (once an async load completes, when a preempted
+  request resumes): the instrumentation tells only the first. A loader whose
+  lookup failed is counted neither way;
+- tokens loaded, at that first admission, for the child chosen to load (if it accepted);
 - blocks that failed to load, as block ids per scheduler step (see
   :class:`~kvcompose.metrics.table.CallTable`), so merging the workers' stats
   takes the union vLLM takes;
@@ -50,13 +51,10 @@ from bisect import bisect_left
 from collections.abc import Callable, Collection, Iterable, Sequence
 from time import monotonic, perf_counter
 from types import CellType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvcompose.metrics.table import COUNTERS, OPS, CallTable, Cells, ErrorCounts, LoadErrors
 from kvcompose.operations import FAILED_LOOKUP, Granularity, Operation
-
-if TYPE_CHECKING:
-    from vllm.v1.request import Request
 
 # From this many workers up, a worker ships its table dense: the scheduler then
 # merges each worker's table in one array operation (see kvcompose.metrics.table).
@@ -269,25 +267,23 @@ class PipelineRecorder:
     # ---- what the calls meant, told by the instrumentation ----
 
     def request_admitted(
-        self, request: Request, answers: Sequence[tuple[int, bool]], loaders: Sequence[int], loading: int | None,
+        self, answers: Sequence[tuple[int, bool]], loaders: Sequence[int], loading: int | None,
         external_tokens: int,
     ) -> None:
         """vLLM allocated the request's blocks: count its last lookup round (``answers``, one per loader, whose
         child indices ``loaders`` lists), and the tokens the child at index ``loading`` (None: no child) loads."""
         if not self.enabled:
             return
-        counted = not getattr(request, "num_preemptions", 0)
         with self._lock:
-            if counted:
-                for child, answer in zip(loaders, answers, strict=False):
-                    if answer is FAILED_LOOKUP:
-                        continue
-                    counts = self._counts[child]
-                    if answer[0] > 0:
-                        counts[_HITS] += 1
-                        counts[_MATCHED] += answer[0]
-                    else:
-                        counts[_MISSES] += 1
+            for child, answer in zip(loaders, answers, strict=False):
+                if answer is FAILED_LOOKUP:
+                    continue
+                counts = self._counts[child]
+                if answer[0] > 0:
+                    counts[_HITS] += 1
+                    counts[_MATCHED] += answer[0]
+                else:
+                    counts[_MISSES] += 1
             if loading is not None:
                 self._counts[loading][_LOADED] += external_tokens
             self._counted = True
