@@ -243,7 +243,6 @@ def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
 
 
 def test_a_failed_lookup_counts_neither_as_a_hit_nor_as_a_miss() -> None:
-
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot", "cold"])
     recorder.request_admitted([FAILED_LOOKUP, (0, False)], [0, 1], None, 0)
     table = recorder.take()
