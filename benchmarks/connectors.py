@@ -85,27 +85,12 @@ def kvcompose_vllm_config(pipeline: dict) -> VllmConfig:
                          "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
 
 
-@cache
-def _subject_class(subject: str) -> type[KVComposeConnector]:
-    from kvcompose.connectors import KVComposeConnector
-
-    return type(f"KVComposeConnector[{subject}]", (KVComposeConnector,), {"__slots__": ()})
-
-
-def kvcompose_connector(
-    pipeline: dict, side: str, workers: int = 1, subject: str | None = None,
-) -> KVComposeConnector:
-    """``workers``: the engine's world size, as the connector sees it (none are started).
-
-    ``subject``: the connector is an instance of that subject's own subclass, as if it ran in a process of
-    its own. CPython keeps per class the instance attribute names it shares between instances, and specialises
-    method look-ups by them: a method the instrumentation installs on one subject's instances would make its
-    look-up slower on a bare subject's too, which no engine does (its composites share one pipeline)."""
+def kvcompose_connector(pipeline: dict, side: str, workers: int = 1) -> KVComposeConnector:
+    """``workers``: the engine's world size, as the connector sees it (none are started)."""
     from kvcompose.connectors import KVComposeConnector
 
     config = kvcompose_vllm_config(pipeline)
     if workers != config.parallel_config.world_size:
         config.parallel_config = copy.copy(config.parallel_config)
         config.parallel_config.world_size = workers
-    cls = KVComposeConnector if subject is None else _subject_class(subject)
-    return cls(config, _role(side), None)
+    return KVComposeConnector(config, _role(side), None)

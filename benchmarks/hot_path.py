@@ -76,8 +76,8 @@ def build_subjects(children: int) -> dict[str, dict[str, Any]]:
         sides[side] = {"direct": multi.sub_connectors[0], "multi": multi, "multi_twin": twin}
     for name, (metrics, tracing) in KVCOMPOSE_SUBJECTS.items():
         bench_pipeline = pipeline(children, metrics=metrics, tracing=tracing)
-        scheduler = sides["scheduler"][name] = kvcompose_connector(bench_pipeline, "scheduler", subject=name)
-        worker = sides["worker"][name] = kvcompose_connector(bench_pipeline, "worker", subject=name)
+        scheduler = sides["scheduler"][name] = kvcompose_connector(bench_pipeline, "scheduler")
+        worker = sides["worker"][name] = kvcompose_connector(bench_pipeline, "worker")
         _bind_first_step(scheduler, worker)
     return sides
 

@@ -53,8 +53,8 @@ def subjects(children: int, endpoint: str) -> dict[str, Any]:
     traced = pipeline(children, tracing="request")
     traced["tracing"].update(exporter="otlp", endpoint=endpoint)
     return {"multi": multi_connector(children, "scheduler"),
-            "kvc_off": kvcompose_connector(pipeline(children), "scheduler", subject="kvc_off"),
-            "kvc_traced": kvcompose_connector(traced, "scheduler", subject="kvc_traced")}
+            "kvc_off": kvcompose_connector(pipeline(children), "scheduler"),
+            "kvc_traced": kvcompose_connector(traced, "scheduler")}
 
 
 def rotated(round_index: int) -> tuple[str, ...]:

@@ -24,8 +24,12 @@ LAYERS = 2  # the tiny model's
 
 
 def _stats_after(worker: Any, steps: int) -> Any:
+    from kvcompose.connectors.metadata import KVComposeMetadata
+
     for _ in range(steps):
+        worker.bind_connector_metadata(KVComposeMetadata(per_child=(None,) * len(worker.children)))
         forward_step(worker, LAYERS)
+        worker.clear_connector_metadata()
     return worker.get_kv_connector_stats()
 
 

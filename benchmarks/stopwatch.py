@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import MethodType
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_connector as vllm_example_connector
@@ -55,8 +54,7 @@ class Stopwatch:
         self.by_call = {}
 
     def time(self, call: Callable[..., Any], name: str | None = None) -> Callable[..., Any]:
-        """``call`` on this stopwatch, its time counted under ``name`` (by default the call's own name). Cheap to
-        make (no ``functools.wraps``): kvcompose sets callables on its instance inside timed calls, every step."""
+        """``call`` on this stopwatch, its time counted under ``name`` (by default the call's own name)."""
         name = name or call.__name__
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -72,7 +70,6 @@ class Stopwatch:
                 self.by_call[name] = self.by_call.get(name, 0.0) + seconds
                 self.running = False
 
-        timed.__wrapped__ = call  # type: ignore[attr-defined]  # its signature is the call's (kvcompose reads it)
         timed.stopwatch = self  # type: ignore[attr-defined]
         return timed
 
@@ -136,9 +133,6 @@ def timed_connector_class(base: type[KVConnectorBase_V1], stopwatch: Stopwatch =
     """A same-named subclass of ``base`` whose every connector operation runs on ``stopwatch``, and its Prometheus
     update on ``FRONT_END``.
 
-    Operations are timed where vLLM finds them: the class's methods, and any callable the connector sets on
-    its instance under an operation's name (kvcompose's instrumentation installs its metrics, tracing and
-    transfer tracking that way, around the class's methods), so the time counted is all the connector's.
     Not KVConnectorBase_V1's own methods, which a class inherits: kvcompose leaves a child's inherited constant
     answer uncalled (``Operation.skip_inherited``) where MultiConnector calls it, and that call is the
     framework's cost, not the child's."""
@@ -153,17 +147,9 @@ def timed_connector_class(base: type[KVConnectorBase_V1], stopwatch: Stopwatch =
             metrics.observe = FRONT_END.time(metrics.observe)
         return metrics
 
-    def __setattr__(self: Any, name: str, value: Any) -> None:
-        if name in timed_operations and callable(value):
-            # A bound method stays one: kvcompose's sampler reads its __func__ and __self__.
-            value = (MethodType(stopwatch.time(value.__func__, name), value.__self__) if isinstance(value, MethodType)
-                     else stopwatch.time(value, name))
-        base.__setattr__(self, name, value)
-
     namespace: dict[str, Any] = {operation: stopwatch.time(getattr(base, operation))
                                  for operation in timed_operations}
     namespace["build_prom_metrics"] = classmethod(build_prom_metrics)
-    namespace["__setattr__"] = __setattr__
     return type(base.__name__, (base,), namespace)
 
 

@@ -51,7 +51,7 @@ def measure(rounds: int = 5, steps: int = 400) -> dict[str, Any]:
     transfers_per_step = REQUESTS_PER_STEP * 3  # a load by one child, a save by each of two
     for name, tracing in (("tracing_off", None), ("tracing_on", "request")):
         tracked = kvcompose_connector(pipeline(2, tracing=tracing), "worker")
-        with mock.patch("kvcompose.connectors.instrumentation.is_first_worker", return_value=False):
+        with mock.patch("kvcompose.instrumentation.worker.is_first_worker", return_value=False):
             untracked = kvcompose_connector(pipeline(2, tracing=tracing), "worker")  # the baseline
         best = dict.fromkeys(("tracked", "untracked"), float("inf"))
         for _ in range(rounds):

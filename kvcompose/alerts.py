@@ -128,7 +128,7 @@ def _child_errors(p: Mapping[str, Value]) -> Rule:
     )
 
 
-_TRANSFER_SECONDS = "kvcompose_transfer_duration_seconds"
+_TRANSFER_SECONDS = "kvcompose_transfer_lifetime_seconds"
 _DIRECTIONS = ("load", "save")
 _TRANSFER_IMPACT = {
     "load": "Requests that load from this child wait for it before their first token.",

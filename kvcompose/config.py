@@ -126,6 +126,10 @@ class TracingSection(_Section):
         "and OTEL_TRACES_SAMPLER_ARG decide, else every request is traced.",
     )
     granularity: Literal["request", "step", "layer"] = "request"
+    slow_call_ms: Annotated[float, Field(ge=0.0)] = Field(
+        1.0, description="At request granularity, a call other than the lookup makes a span only if it failed or "
+        "took longer than this (milliseconds). step and layer granularity trace every call.",
+    )
 
 
 class MetricsSection(_Section):
@@ -134,13 +138,13 @@ class MetricsSection(_Section):
     enabled: bool = True
     per_layer: bool = Field(
         False,
-        description="Also time save_kv_layer and wait_for_layer_load (once per layer per step: costs about "
-        "1 us per call and child). Off, the step-level start_load_kv and wait_for_save are timed.",
+        description="Also record the latency of save_kv_layer and wait_for_layer_load (called once per layer per "
+        "step). Off, their time still counts as engine wait; the step-level calls are timed either way.",
     )
     sample_every: Annotated[int, Field(ge=1)] = Field(
         32,
-        description="Time one call in this many of each operation (and an operation's next call after an idle "
-        "second); every call is counted either way. 1 times every call.",
+        description="Time one call (scheduler) or step (worker) in this many, and the next one after the engine was "
+        "idle; a worker step that moves KV is always timed. Every call is counted either way. 1 times every call.",
     )
     latency_buckets: tuple[float, ...] = Field(
         DEFAULT_LATENCY_BUCKETS, description="Upper bounds (seconds) of the latency histogram buckets."
@@ -179,6 +183,10 @@ class Pipeline(_Section):
     tracing: TracingSection = TracingSection()
     metrics: MetricsSection = MetricsSection()
     logging: LoggingSection = LoggingSection()
+    watchdog_s: Annotated[float, Field(gt=0)] | None = Field(
+        5.0, description="A call into a child still running after this many seconds is logged (with the child's "
+        "stack) and shown as stuck (kvcompose_child_state 3) until it returns; null turns the watchdog off.",
+    )
 
     @model_validator(mode="after")
     def _check_children(self) -> Pipeline:

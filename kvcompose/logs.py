@@ -27,8 +27,8 @@ ROOT_LOGGER = "kvcompose"
 class CurrentCall:
     """The traced child call running now, set by kvcompose's tracer: (trace id, span id, child name).
 
-    A plain attribute, not a ContextVar (a third of a traced call's cost): vLLM
-    calls a connector from one thread per process.
+    A plain attribute, not a ContextVar: vLLM calls a connector from one thread
+    per process.
     """
 
     __slots__ = ("ids",)

@@ -77,6 +77,10 @@ class Operation:
     # whose class inherits it is not called, the composite answering as if it had been. (The composite's loop
     # over the operation must not pair its calls with the children by position.)
     skip_inherited: bool = False
+    # The forward pass waits for this call to return: its time is engine wait, of this direction.
+    blocking: Literal["load", "save"] | None = None
+    # At request granularity a traced request's call makes a span only if it fails or is slow, unless this is set.
+    always_traced: bool = False
 
     @property
     def span_name(self) -> str:
@@ -127,8 +131,8 @@ _FINISHED = (attr.BLOCKS, attr.SAVE_ASYNC)
 
 _DECLARED: tuple[Operation, ...] = (
     # ---- scheduler side ----
-    Operation("get_num_new_matched_tokens", _S, _REQUEST, "lookup", traced=True, data_path=True,
-              fallback=lambda: FAILED_LOOKUP, children="loaders",
+    Operation("get_num_new_matched_tokens", _S, _REQUEST, "lookup", traced=True, always_traced=True,
+              data_path=True, fallback=lambda: FAILED_LOOKUP, children="loaders",
               attributes=(attr.COMPUTED_TOKENS, attr.LOAD_ASYNC, attr.MATCHED_TOKENS),
               describe=_lookup),
     Operation("get_external_cache_hit_sources", _S, _REQUEST, traced=True, fallback=dict),
@@ -160,13 +164,13 @@ _DECLARED: tuple[Operation, ...] = (
     Operation("clear_connector_metadata", _W, _STEP, fallback=_nothing),
     Operation("handle_preemptions", _W, _STEP, fallback=_nothing),
     Operation("start_load_kv", _W, _STEP, "start_load_kv", traced=True, data_path=True, fallback=_failed,
-              keywords=True, children="loaders"),
+              keywords=True, children="loaders", blocking="load"),
     Operation("wait_for_layer_load", _W, _LAYER, "wait_for_layer_load", traced=True, data_path=True,
-              fallback=_nothing, attributes=(attr.LAYER,), describe=_layer, children="loaders"),
+              fallback=_nothing, attributes=(attr.LAYER,), describe=_layer, children="loaders", blocking="load"),
     Operation("save_kv_layer", _W, _LAYER, "save_kv_layer", traced=True, data_path=True, fallback=_nothing,
-              attributes=(attr.LAYER,), describe=_layer, keywords=True, children="savers"),
+              attributes=(attr.LAYER,), describe=_layer, keywords=True, children="savers", blocking="save"),
     Operation("wait_for_save", _W, _STEP, "wait_for_save", traced=True, data_path=True, fallback=_nothing,
-              children="savers"),
+              children="savers", blocking="save"),
     Operation("finish_forward", _W, _STEP, fallback=_nothing, skip_inherited=True),
     Operation("reset_capture_state", _W, _STEP, skip_inherited=True),
     # The composite asks get_transfer_results; get_finished is its older form.

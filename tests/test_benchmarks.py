@@ -72,9 +72,10 @@ def test_traced_subjects_make_spans_in_their_bound_step() -> None:
     save = hot_path.OPERATIONS["wait_for_save"][1]
     load = hot_path.OPERATIONS["start_load_kv"][1]
     layer = hot_path.OPERATIONS["save_kv_layer"][1]
-    assert spans_of("kvc_request", save) == {"kvcompose.save", "kvcompose.transfer"}  # the saves end with the wait
-    assert spans_of("kvc_request", load) == {"kvcompose.load"}  # a sync load ends with the step
-    assert spans_of("kvc_step", save) == {"kvcompose.save", "kvcompose.wait_for_save", "kvcompose.transfer"}
+    saves = {"kvcompose.transfer save c0", "kvcompose.transfer save c1"}
+    assert spans_of("kvc_request", save) == saves  # the saves end with the wait
+    assert spans_of("kvc_request", load) == set()  # a sync load ends with the step; its calls are quick
+    assert spans_of("kvc_step", save) == {"kvcompose.wait_for_save", *saves}
     assert spans_of("kvc_step", layer) == set()
     assert spans_of("kvc_layer", layer) == {"kvcompose.save_kv_layer"}
     assert spans_of("kvc_off", save) == set()
@@ -233,9 +234,9 @@ def test_transfer_cost_compares_a_tracked_composite_with_the_same_one_untracked(
     assert len(targets.transfer_cost_checks(result)) == 1
 
 
-def test_the_stopwatch_times_every_call_vllm_makes_into_kvcompose_instrumentation_included() -> None:
-    """kvcompose's instrumentation installs its wrappers on the instance, over the class's methods: the
-    end-to-end benchmark's stopwatch must time those, or "from cost" leaves out what metrics and tracing cost."""
+def test_the_stopwatch_times_every_call_vllm_makes_into_kvcompose() -> None:
+    """The end-to-end benchmark's stopwatch times every method of the composite's class vLLM calls (nothing is
+    installed on an instance: metrics and tracing run inside those methods), so "from cost" holds all of it."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
     from benchmarks import stopwatch
@@ -252,12 +253,10 @@ def test_the_stopwatch_times_every_call_vllm_makes_into_kvcompose_instrumentatio
     scheduler.update_state_after_alloc(request, make_blocks(1, 2), tokens or 0)
     worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=[request])))
 
-    installed = {name for connector in (scheduler, worker) for name in vars(connector) if name in CONNECTOR_OPERATIONS}
-    assert "get_num_new_matched_tokens" in installed and "clear_connector_metadata" in installed
     for connector in (scheduler, worker):  # all but what KVConnectorBase_V1 answers itself (see the stopwatch)
+        assert not set(vars(connector)) & set(CONNECTOR_OPERATIONS)
         untimed = [name for name in CONNECTOR_OPERATIONS if name != "shutdown" and hasattr(connector, name)
-                   and (name in vars(connector) or getattr(type(connector), name) is not getattr(
-                       KVConnectorBase_V1, name, None))
+                   and getattr(type(connector), name) is not getattr(KVConnectorBase_V1, name, None)
                    and getattr(getattr(connector, name), "stopwatch", None) is not stopwatch.ENGINE]
         assert untimed == []
     assert {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",

@@ -151,7 +151,7 @@ def test_the_issue_panels_are_present() -> None:
                    "kvcompose_call_errors_total", "kvcompose_load_error_blocks_total", "kvcompose_child_state",
                    "vllm:kv_offload_load_bytes_total", "vllm:nixl_xfer_time_seconds_bucket",
                    "histogram_quantile(0.5, sum by (le, connector, direction) "
-                   "(rate(kvcompose_transfer_duration_seconds_bucket", "kvcompose_transfer_bytes_total",
+                   "(rate(kvcompose_transfer_lifetime_seconds_bucket", "kvcompose_transfer_bytes_total",
                    "kvcompose_transfers_in_flight", "kvcompose_transfers_failed_total"):
         assert needle in exprs, needle
 
@@ -159,7 +159,7 @@ def test_the_issue_panels_are_present() -> None:
 def test_transfer_latency_targets_ask_for_exemplars(dashboard: dict[str, Any]) -> None:
     for panel in all_panels(dashboard):
         for target in panel.get("targets", []):
-            reads_transfer_buckets = "kvcompose_transfer_duration_seconds_bucket" in target["expr"]
+            reads_transfer_buckets = "kvcompose_transfer_lifetime_seconds_bucket" in target["expr"]
             assert target.get("exemplar", False) is reads_transfer_buckets, panel["title"]
 
 

@@ -94,7 +94,7 @@ def test_metrics_with_a_slash_answers_openmetrics_for_exemplars(served_pipeline:
 
     content_type, body = scrape("/metrics/")
     assert content_type.startswith("application/openmetrics-text"), content_type
-    assert "kvcompose_transfer_duration_seconds_bucket{" in body and body.rstrip().endswith("# EOF")
+    assert "kvcompose_transfer_lifetime_seconds_bucket{" in body and body.rstrip().endswith("# EOF")
     assert scrape("/metrics")[0].startswith("text/plain")
 
 

@@ -95,9 +95,9 @@ SERIES: list[tuple[str, str]] = [
     (f"kvcompose_circuit_breaker_opens_total{{{COLD}}}", counter(0.25)),
     # Transfers: hot loads SPREAD and saves FAST, cold loads FAST_HALF (same quantiles as FAST);
     # cold saves nothing (no transfer series: none of its cells was ever used).
-    *histogram("kvcompose_transfer_duration_seconds", f'{HOT}, direction="load"', SPREAD),
-    *histogram("kvcompose_transfer_duration_seconds", f'{HOT}, direction="save"', FAST),
-    *histogram("kvcompose_transfer_duration_seconds", f'{COLD}, direction="load"', FAST_HALF),
+    *histogram("kvcompose_transfer_lifetime_seconds", f'{HOT}, direction="load"', SPREAD),
+    *histogram("kvcompose_transfer_lifetime_seconds", f'{HOT}, direction="save"', FAST),
+    *histogram("kvcompose_transfer_lifetime_seconds", f'{COLD}, direction="load"', FAST_HALF),
     (f'kvcompose_transfer_bytes_total{{{HOT}, direction="load"}}', counter(1024)),
     (f'kvcompose_transfer_bytes_total{{{HOT}, direction="save"}}', counter(512)),
     (f'kvcompose_transfer_bytes_total{{{COLD}, direction="load"}}', counter(2048)),
@@ -134,7 +134,7 @@ for decoy in DECOYS:
         (f"kvcompose_load_error_blocks_total{{{decoy}}}", counter(1)),
         (f"kvcompose_child_state{{{decoy}}}", gauge(1)),
         (f"kvcompose_circuit_breaker_opens_total{{{decoy}}}", counter(1)),
-        *histogram("kvcompose_transfer_duration_seconds", f'{decoy}, direction="load"', SLOW),
+        *histogram("kvcompose_transfer_lifetime_seconds", f'{decoy}, direction="load"', SLOW),
         (f'kvcompose_transfer_bytes_total{{{decoy}, direction="load"}}', counter(1)),
         (f'kvcompose_transfers_in_flight{{{decoy}, direction="load"}}', gauge(5)),
         (f'kvcompose_transfers_failed_total{{{decoy}, direction="load", outcome="failed"}}', counter(1)),
@@ -277,8 +277,6 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     from kvcompose.metrics.transfers import TransferRecorder
     from kvcompose.operations import OPERATIONS
 
-    from .connector_support import make_request
-
     registry = CollectorRegistry()
     metric_types: dict[type, Any] = {kind: functools.partial(kind, registry=registry)
                                      for kind in (Counter, Gauge, Histogram)}
@@ -289,19 +287,13 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
 
     recorder = PipelineRecorder(True, load_pipeline(NATIVE_PIPELINE).metrics.latency_buckets, list(specs))
     for index, child in enumerate(specs):  # a call of every kind that feeds a kvcompose series
-        lookup = recorder.timed(child, OPERATIONS["get_num_new_matched_tokens"],
-                                lambda request, computed: (computed, False))
-        alloc = recorder.timed(child, OPERATIONS["update_state_after_alloc"], lambda request, blocks, tokens: None)
-        for request, tokens in ((make_request(f"{child}-hit"), 16), (make_request(f"{child}-miss"), 0)):
-            answer = lookup(request, tokens)
-            alloc(request, None, tokens)
-            recorder.request_admitted([answer], [index], index if tokens else None, tokens)
-        recorder.timed(child, OPERATIONS["get_block_ids_with_load_errors"], lambda: {1})()
+        for operation in ("get_num_new_matched_tokens", "update_state_after_alloc", "get_block_ids_with_load_errors",
+                          "start_load_kv"):
+            recorder.timed(recorder.slot(index, OPERATIONS[operation].label), 0.0001, 2)
+        for tokens in (16, 0):  # a hit and a miss
+            recorder.request_admitted([(tokens, False)], [index], index if tokens else None, tokens)
         recorder.count_load_errors(child, 1, {1})
-        try:
-            recorder.timed(child, OPERATIONS["start_load_kv"], _raise_os_error)(None)
-        except OSError as error:
-            recorder.count_error(child, OPERATIONS["start_load_kv"], error)  # what the child's guard tells it
+        recorder.count_error(child, OPERATIONS["start_load_kv"], OSError())  # what the child's guard tells it
 
     offload = OffloadingConnectorStats()  # one observation of every metric OffloadingConnector defines
     definitions = {**OffloadingSpecFactory.get_spec_cls({}).build_metric_definitions({}),
@@ -323,17 +315,14 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     for index in range(len(specs)):  # a transfer each way, the save failing, one still in flight
         for direction, outcome in (("load", "ok"), ("save", "failed")):
             transfers.started(index, direction)
-            transfers.ended(index, direction, 0.002, 4096, outcome, "0af7651916cd43dd8448eb211c80319c")
+            transfers.ended(index, direction, 0.002, 0.001, 4096, outcome, "0af7651916cd43dd8448eb211c80319c")
+            transfers.waited(index, direction, 0.001)
         transfers.started(index, "load")
     breakers = {child: {"state": 2, "opens": 1} for child in specs}
     telemetry = {"spans_dropped": 3, "spans_queued": 40}  # the exporter dropped spans
     prom.observe({"calls": recorder.take().to_dict(), "transfers": transfers.take().to_dict(), "breakers": breakers,
                   "native": native, "telemetry": telemetry}, 0)
     return list(text_string_to_metric_families(generate_latest(registry).decode()))
-
-
-def _raise_os_error(forward_context: Any) -> None:
-    raise OSError("tier unreachable")
 
 
 def expr_test(expr: str, expected: list[tuple[dict[str, str], float]]) -> dict[str, Any]:

@@ -192,13 +192,15 @@ def test_a_lookup_that_misses_after_one_that_matched_loads_nothing(vllm_config_w
     assert out[:2] == [(16, True), (0, False)]
 
 
-def test_with_metrics_off_a_lookup_keeps_what_multiconnector_keeps(vllm_config_with: Callable) -> None:
-    """Only the chosen loader of a lookup that matched (MultiConnector keeps its index); nothing for a miss."""
+def test_a_lookup_round_lives_until_its_request_finishes(vllm_config_with: Callable) -> None:
+    """MultiConnector keeps the index of a matched loader; kvcompose keeps the request's latest round (every
+    loader's answer, for the load policy and the counts), the matched one replacing the miss, until vLLM finishes
+    the request."""
     scripts = {"a": {"matches": {"r1": [[0, False], [16, False]]}}, "b": {"matches": {"r1": [[0, False]]}}}
     side = _build("compose", scripts, vllm_config_with, "first_match", metrics=False)
     r1 = _request("r1")
     assert side.scheduler.get_num_new_matched_tokens(r1, 0) == (0, False)
-    assert side.scheduler.request_state_sizes() == {}
+    assert side.scheduler.request_state_sizes() == {"lookup_rounds": 1}
     assert side.scheduler.get_num_new_matched_tokens(r1, 0) == (16, False)
     assert side.scheduler.request_state_sizes() == {"lookup_rounds": 1}
     side.scheduler.request_finished(r1, [])

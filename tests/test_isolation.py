@@ -335,7 +335,7 @@ def test_a_failure_while_events_are_iterated_is_isolated(vllm_config_with: Calla
     assert _errors(scheduler) == {"hot": {"take_events": {"ScriptedFailure": 1}}}
 
 
-def test_children_shut_down_when_the_tracer_fails_to_close(
+def test_children_shut_down_when_the_instrumentation_fails_to_close(
     vllm_config_with: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     scheduler, _ = _pair(vllm_config_with, {"hot": {}, "cold": {}})
@@ -343,7 +343,7 @@ def test_children_shut_down_when_the_tracer_fails_to_close(
     def fail_to_close() -> None:
         raise RuntimeError("collector gone")
 
-    monkeypatch.setattr(scheduler._instrumentation.tracer, "close", fail_to_close)
+    monkeypatch.setattr(scheduler._instrumentation, "close", fail_to_close)
     with pytest.raises(RuntimeError, match="collector gone"):
         scheduler.shutdown()
     assert _calls("hot", "shutdown") == _calls("cold", "shutdown") == 1

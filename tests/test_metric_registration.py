@@ -50,13 +50,11 @@ def _payload(child: str, hits: int) -> dict[str, Any]:
     from kvcompose.metrics.stats import KVComposeStats
     from kvcompose.operations import OPERATIONS
 
-    from .connector_support import make_request
-
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, [child])
-    lookup = recorder.timed(child, OPERATIONS["get_num_new_matched_tokens"], lambda request, computed: (16, False))
-    for index in range(hits):
-        request = make_request(f"r{index}")
-        recorder.request_admitted([lookup(request, 0)], [0], 0, 16)
+    slot = recorder.slot(0, recorder.label(OPERATIONS["get_num_new_matched_tokens"]))
+    for _ in range(hits):
+        recorder.timed(slot, 0.0001, 1)  # a lookup, timed
+        recorder.request_admitted([(16, False)], [0], 0, 16)
     return KVComposeStats(data={"calls": recorder.take()}).to_dict()
 
 

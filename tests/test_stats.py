@@ -6,6 +6,7 @@ The merge properties cover every part of the payload: calls, breakers, transfers
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 from unittest import mock
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvcompose.config import DEFAULT_LATENCY_BUCKETS
 from kvcompose.metrics import recorder as recorder_module
-from kvcompose.metrics.recorder import OperationSampler, PipelineRecorder, fold_timed_calls
+from kvcompose.metrics.recorder import PipelineRecorder
 from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
 from kvcompose.metrics.summary import quantile
 from kvcompose.metrics import table as table_module
@@ -51,16 +52,20 @@ def _table_dicts() -> st.SearchStrategy[dict[str, Any]]:
 def _transfer_dicts() -> st.SearchStrategy[dict[str, Any]]:
     # Exemplar times from a small set, so ties (broken by trace id) happen.
     cells = LANES * (len(BOUNDS) + 1)
+    used_cells = st.dictionaries(st.integers(0, cells - 1), st.tuples(st.integers(1, 50), st.integers(0, 1000)),
+                                 max_size=12)
     return st.builds(
-        lambda used, moved, in_flight, failures, exemplars: TransferTable(
+        lambda used, copied, moved, in_flight, failures, waited, exemplars: TransferTable(
             CHILDREN, len(BOUNDS) + 1, {cell: [count, float(seconds)] for cell, (count, seconds) in used.items()},
-            moved, in_flight, failures,
+            {cell: [count, float(seconds)] for cell, (count, seconds) in copied.items()},
+            moved, in_flight, failures, [float(seconds) for seconds in waited],
             {cell: [float(at), trace, float(seconds)] for cell, (trace, seconds, at) in exemplars.items()},
         ).to_dict(),
-        st.dictionaries(st.integers(0, cells - 1), st.tuples(st.integers(1, 50), st.integers(0, 1000)), max_size=12),
+        used_cells, used_cells,
         st.lists(st.integers(0, 2**40), min_size=LANES, max_size=LANES),
         st.lists(st.integers(-5, 5), min_size=LANES, max_size=LANES),
         st.lists(st.integers(0, 9), min_size=LANES * len(FAILURES), max_size=LANES * len(FAILURES)),
+        st.lists(st.integers(0, 1000), min_size=LANES, max_size=LANES),
         st.dictionaries(st.integers(0, cells - 1), st.tuples(
             st.sampled_from(TRACE_IDS), st.integers(0, 100), st.integers(0, 3)), max_size=6),
     )
@@ -90,13 +95,18 @@ def merged(*parts: dict[str, Any], dense: bool = False) -> dict[str, Any]:
 
 def canonical(payload: dict[str, Any]) -> dict[str, Any]:
     """The payload with its cells (and exemplars) in index order, as JSON sees it."""
-    for key, count_name in (("calls", "calls"), (TRANSFERS_KEY, "transfers")):
-        if (table := payload[key]) is not None:
-            rows = sorted(zip(table["cells"], table[count_name], table["seconds"], strict=True))
-            table["cells"], table[count_name], table["seconds"] = ([row[i] for row in rows] for i in range(3))
-    if payload[TRANSFERS_KEY] is not None:
-        payload[TRANSFERS_KEY]["exemplars"].sort()
+    if (calls := payload["calls"]) is not None:
+        _sort_cells(calls, "calls")
+    if (transfers := payload[TRANSFERS_KEY]) is not None:
+        _sort_cells(transfers["cells"], "transfers")
+        _sort_cells(transfers["copy"], "transfers")
+        transfers["exemplars"].sort()
     return json.loads(json.dumps(payload, sort_keys=True))
+
+
+def _sort_cells(cells: dict[str, Any], count_name: str) -> None:
+    rows = sorted(zip(cells["cells"], cells[count_name], cells["seconds"], strict=True))
+    cells["cells"], cells[count_name], cells["seconds"] = ([row[i] for row in rows] for i in range(3))
 
 
 @settings(max_examples=200, deadline=None)
@@ -173,22 +183,22 @@ def test_stats_of_another_kvcompose_version_are_refused_with_a_reason() -> None:
 
 
 def test_buckets_follow_prometheus_le() -> None:
-    cells: dict[int, list[Any]] = {}
-    fold_timed_calls([(0, seconds) for seconds in (0.0005, 0.001, 0.002, 0.1, 5.0)], BOUNDS, cells, ())
-    assert {cell: count for cell, (count, _) in cells.items()} == {0: 2, 1: 1, 2: 1, 3: 1}
+    recorder = PipelineRecorder(True, BOUNDS, ["hot", "cold"])
+    for seconds in (0.0005, 0.001, 0.002, 0.1, 5.0):
+        recorder.timed(0, seconds, 1)
+    recorder.timed(1, 0.05, 1)  # the next slot's cells follow
+    cells = recorder.take().cells
+    assert {cell: count for cell, (count, _) in cells.items() if cell < 4} == {0: 2, 1: 1, 2: 1, 3: 1}
     assert [cells[cell][1] for cell in range(4)] == pytest.approx([0.0015, 0.002, 0.1, 5.0])
-    fold_timed_calls([(1, 0.05)], BOUNDS, cells, ())  # the next slot's cells follow
     assert cells[len(BOUNDS) + 1 + 2] == [1, 0.05]
 
 
-def test_a_timed_call_counts_as_many_calls_as_its_sampled_call_stands_for() -> None:
-    cells: dict[int, list[Any]] = {}
-    samplers = [OperationSampler(0, 16, [], lambda: None), OperationSampler(1, 16, [], lambda: None)]
-    entries = [(-1, 16, 0), (0, 0.002), (1, 0.05), (-1, 3, 1), (0, 0.05)]
-    fold_timed_calls(entries, BOUNDS, cells, samplers)
-    assert cells == {1: [16, pytest.approx(0.032)], 2: [3, pytest.approx(0.15)], 4 + 2: [16, pytest.approx(0.8)]}
-    # Each sampled call's children, and their cells: where the calls after it will be credited.
-    assert samplers[0].last_call == [(0, 1, 0.002), (1, 6, 0.05)] and samplers[1].last_call == [(0, 2, 0.05)]
+def test_a_timed_call_counts_as_many_calls_as_it_stands_for() -> None:
+    recorder = PipelineRecorder(True, BOUNDS, ["hot", "cold"])
+    recorder.timed(0, 0.002, 16)
+    recorder.timed(1, 0.05, 16)
+    recorder.timed(1, 0.05, 3)
+    assert recorder.take().cells == {1: [16, pytest.approx(0.032)], 4 + 2: [19, pytest.approx(0.95)]}
 
 
 def test_quantile_interpolates_like_histogram_quantile() -> None:
@@ -206,7 +216,21 @@ def _boom(*args: Any) -> None:
 
 
 def _timed(recorder: PipelineRecorder, child: str, operation: str, call: Any) -> Any:
-    return recorder.timed(child, OPERATIONS[operation], call)
+    """``call``, every call timed as the instrumentation times a call that stands for itself; ``call`` itself
+    where the recorder does not time the operation."""
+    label = recorder.label(OPERATIONS[operation])
+    if label is None:
+        return call
+    slot = recorder.slot(recorder._children.index(child), label)
+
+    def timed(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            recorder.timed(slot, time.perf_counter() - start, 1)
+
+    return timed
 
 
 def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
@@ -252,10 +276,8 @@ def test_a_failed_lookup_counts_neither_as_a_hit_nor_as_a_miss() -> None:
 def test_pending_latencies_are_folded_before_they_pile_up(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(recorder_module, "MAX_PENDING_CALLS", 8)
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, ["hot"])
-    sampler = recorder.sampler(OPERATIONS["wait_for_save"])
     wait = _timed(recorder, "hot", "wait_for_save", lambda: None)
     for _ in range(20):
-        sampler.begin()
         wait()
     assert len(recorder._pending) <= 8  # folded twice on the way
     assert recorder.take().call_count("hot", "wait_for_save") == 20
@@ -299,9 +321,14 @@ def test_a_large_engines_workers_ship_their_tables_dense() -> None:
     from kvcompose.testing.steps import forward_step
 
     def worker_stats(workers: int) -> KVComposeStats:
+        from kvcompose.connectors.metadata import KVComposeMetadata
+
         worker = kvcompose_connector(pipeline(2), "worker", workers=workers)
-        forward_step(worker, 2)
-        return worker.get_kv_connector_stats()
+        worker.bind_connector_metadata(KVComposeMetadata(per_child=(None, None)))
+        forward_step(worker, 2)  # the first step is timed
+        stats = worker.get_kv_connector_stats()
+        worker.clear_connector_metadata()
+        return stats
 
     small, large = worker_stats(1), worker_stats(DENSE_FROM_WORKERS)
     assert small.calls._dense is None and large.calls._dense is not None
@@ -341,14 +368,11 @@ def test_calls_from_two_threads_are_counted_exactly(monkeypatch: pytest.MonkeyPa
     loads = {child: _timed(recorder, child, "start_load_kv", _boom) for child in ("hot", "cold")}
     lookups = {child: _timed(recorder, child, "get_num_new_matched_tokens", lambda request, n: (16, False))
                for child in ("hot", "cold")}
-    sampler = recorder.sampler(OPERATIONS["wait_for_save"])
     requests = {child: [make_request(f"{child}-{i}") for i in range(200)] for child in ("hot", "cold")}
     calls = 20_000
 
     def work(child: str) -> None:
         for i in range(calls):
-            if i % 64 == 0:
-                sampler.begin()  # folds what piled up
             waits[child]()
             if i % 100 == 0:
                 with pytest.raises(Failing) as failure:

@@ -46,10 +46,12 @@ def test_recorder_buckets_bytes_in_flight_failures_and_exemplars() -> None:
     for _ in range(3):
         recorder.started(0, "load")
     recorder.started(1, "save")
-    recorder.ended(0, "load", 0.001, 100, "ok", TRACE_A)  # on a bound: that bound's bucket (le)
-    recorder.ended(0, "load", 0.0005, 50, "ok", TRACE_B)  # same bucket, later: its exemplar now
-    recorder.ended(0, "load", 5.0, 0, "failed", TRACE_C)  # beyond the last bound: +Inf
-    recorder.ended(2, "save", 0.05, 7, "aborted", None)  # no trace id: no exemplar
+    recorder.ended(0, "load", 0.001, 0.0002, 100, "ok", TRACE_A)  # on a bound: that bound's bucket (le)
+    recorder.ended(0, "load", 0.0005, None, 50, "ok", TRACE_B)  # same bucket, later: its exemplar now
+    recorder.ended(0, "load", 5.0, None, 0, "failed", TRACE_C)  # beyond the last bound: +Inf
+    recorder.ended(2, "save", 0.05, 0.05, 7, "aborted", None)  # no trace id: no exemplar
+    recorder.waited(1, "save", 0.25)
+    recorder.waited(1, "save", 0.5)
 
     table = recorder.take()
     assert table is not None and table.buckets == len(BOUNDS) + 1
@@ -64,6 +66,9 @@ def test_recorder_buckets_bytes_in_flight_failures_and_exemplars() -> None:
     assert table.failed("remote", "save", "aborted") == 1
     assert {cell: exemplar[1:] for cell, exemplar in table.exemplars.items()} == {
         0: [TRACE_B, 0.0005], 3: [TRACE_C, 5.0]}
+    # Copy times, where known, in the copy cells; engine wait summed per lane.
+    assert table.copy_seconds("hot", "load") == (1, 0.0002) and table.copy_seconds("remote", "save") == (1, 0.05)
+    assert table.engine_wait("cold", "save") == 0.75 and table.engine_wait("hot", "load") == 0.0
     assert recorder.take() is None  # afresh
 
     recorder.started(1, "load")
@@ -74,7 +79,8 @@ def test_recorder_buckets_bytes_in_flight_failures_and_exemplars() -> None:
 def test_recorder_off_records_nothing() -> None:
     recorder = TransferRecorder(False, CHILDREN, BOUNDS)
     recorder.started(0, "load")
-    recorder.ended(0, "load", 0.5, 10, "ok", TRACE_A)
+    recorder.ended(0, "load", 0.5, 0.1, 10, "ok", TRACE_A)
+    recorder.waited(0, "load", 0.1)
     assert recorder.take() is None
 
 
@@ -86,7 +92,7 @@ def test_transfers_ended_on_other_threads_are_all_counted() -> None:
     def transfers(child: int) -> None:
         for _ in range(per_thread):
             recorder.started(child % 3, "save")
-            recorder.ended(child % 3, "save", 0.002, 1, "ok", None)
+            recorder.ended(child % 3, "save", 0.002, 0.001, 1, "ok", None)
 
     def take_until_done() -> None:
         while not done.is_set():
@@ -139,8 +145,8 @@ def test_empty_reduce_and_reset_account_for_transfers_and_telemetry() -> None:
     recorder.started(0, "load")
     in_flight_only = KVComposeStats(data={TRANSFERS_KEY: recorder.take()})
     assert not in_flight_only.is_empty() and in_flight_only.reduce() == {}
-    recorder.ended(0, "load", 0.004, 4096, "failed", None)
-    recorder.ended(0, "load", 0.002, 4096, "ok", None)
+    recorder.ended(0, "load", 0.004, None, 4096, "failed", None)
+    recorder.ended(0, "load", 0.002, None, 4096, "ok", None)
     stats = KVComposeStats(data={TRANSFERS_KEY: recorder.take(), TELEMETRY_KEY: TelemetryCounters(2, 9)})
     assert stats.reduce() == {"hot.load.transfers": 2, "hot.load.mean_ms": 3.0, "hot.load.bytes": 8192,
                               "hot.load.failed": 1, "spans_dropped": 2, "spans_queued": 9}
@@ -172,18 +178,19 @@ def test_payload_size_is_bounded_whatever_the_traffic() -> None:
         for i in range(transfers):
             child, direction = i % len(CHILDREN), DIRECTIONS[i % 2]
             recorder.started(child, direction)
-            recorder.ended(child, direction, 10 ** (i % 7 - 5), 4096, FAILURES[i % 2] if i % 5 == 0 else "ok",
+            outcome = FAILURES[i % 2] if i % 5 == 0 else "ok"
+            recorder.ended(child, direction, 10 ** (i % 7 - 5), 10 ** (i % 5 - 6), 4096, outcome,
                            f"{i:032x}")
         return KVComposeStats(data={TRANSFERS_KEY: recorder.take()}).to_dict()
 
     buckets = len(DEFAULT_TRANSFER_BUCKETS) + 1
     every_cell = range(len(CHILDREN) * len(DIRECTIONS) * buckets)
     full = TransferTable(CHILDREN, buckets, {cell: [1, 0.5] for cell in every_cell},
-                         exemplars={cell: [1.0, TRACE_A, 0.5] for cell in every_cell})
+                         {cell: [1, 0.5] for cell in every_cell}, exemplars={cell: [1.0, TRACE_A, 0.5] for cell in every_cell})
     bound = leaves(KVComposeStats(data={TRANSFERS_KEY: full}).to_dict())
     for transfers in (300, 30_000):
         payload = payload_after(transfers)
-        assert sum(payload[TRANSFERS_KEY]["transfers"]) == transfers and leaves(payload) <= bound
+        assert sum(payload[TRANSFERS_KEY]["cells"]["transfers"]) == transfers and leaves(payload) <= bound
 
 
 # --- Prometheus --------------------------------------------------------------------------------
@@ -227,8 +234,10 @@ def test_series_exist_at_zero_from_start_up(vllm_config_with: Callable) -> None:
     for child in ("hot", "cold"):
         for direction in DIRECTIONS:
             lane = _lane(child, direction)
-            assert samples[("kvcompose_transfer_duration_seconds_count", lane)].value == 0
+            assert samples[("kvcompose_transfer_lifetime_seconds_count", lane)].value == 0
             assert samples[("kvcompose_transfer_bytes_total", lane)].value == 0
+            assert samples[("kvcompose_transfer_copy_seconds_count", _lane(child, direction, source="calls"))].value == 0
+            assert samples[("kvcompose_engine_wait_seconds_total", lane)].value == 0
             assert samples[("kvcompose_transfers_in_flight", lane)].value == 0
             for outcome in FAILURES:
                 assert samples[("kvcompose_transfers_failed_total", _lane(child, direction, outcome=outcome))].value == 0
@@ -245,28 +254,36 @@ def test_stats_reach_every_series_exactly(vllm_config_with: Callable) -> None:
     recorder = TransferRecorder(True, ["hot", "cold"], bounds)
     for _ in range(3):
         recorder.started(0, "load")
-    recorder.ended(0, "load", 0.003, 1000, "ok", TRACE_A)
-    recorder.ended(0, "load", 0.004, 1000, "ok", None)
-    recorder.ended(0, "load", 0.0041, 0, "aborted", TRACE_B)  # same bucket, later: the exemplar
+    recorder.ended(0, "load", 0.003, 0.001, 1000, "ok", TRACE_A)
+    recorder.ended(0, "load", 0.004, 0.002, 1000, "ok", None)
+    recorder.ended(0, "load", 0.0041, None, 0, "aborted", TRACE_B)  # same bucket, later: the exemplar
+    recorder.waited(0, "load", 0.25)
     recorder.started(1, "save")
     recorder.started(1, "save")
-    recorder.ended(1, "save", 2.0, 1 << 20, "ok", TRACE_C)
+    recorder.ended(1, "save", 2.0, 0.5, 1 << 20, "ok", TRACE_C)
     prom.observe({TRANSFERS_KEY: recorder.take().to_dict(), TELEMETRY_KEY: {"spans_dropped": 5, "spans_queued": 12}})
-    recorder.ended(1, "save", 0.00001, 10, "failed", None)  # the next step: the rest of the save ends
+    recorder.ended(1, "save", 0.00001, None, 10, "failed", None)  # the next step: the rest of the save ends
     prom.observe({TRANSFERS_KEY: recorder.take().to_dict(), TELEMETRY_KEY: {"spans_dropped": 1, "spans_queued": None}})
 
     samples = _samples(registry)
     hot_load, cold_save = _lane("hot", "load"), _lane("cold", "save")
-    assert samples[("kvcompose_transfer_duration_seconds_count", hot_load)].value == 3
-    assert samples[("kvcompose_transfer_duration_seconds_sum", hot_load)].value == pytest.approx(0.0111)
-    assert samples[("kvcompose_transfer_duration_seconds_bucket", _lane("hot", "load", le="0.0025"))].value == 0
-    five_ms = samples[("kvcompose_transfer_duration_seconds_bucket", _lane("hot", "load", le="0.005"))]
+    assert samples[("kvcompose_transfer_lifetime_seconds_count", hot_load)].value == 3
+    assert samples[("kvcompose_transfer_lifetime_seconds_sum", hot_load)].value == pytest.approx(0.0111)
+    assert samples[("kvcompose_transfer_lifetime_seconds_bucket", _lane("hot", "load", le="0.0025"))].value == 0
+    five_ms = samples[("kvcompose_transfer_lifetime_seconds_bucket", _lane("hot", "load", le="0.005"))]
     assert five_ms.value == 3 and five_ms.exemplar.labels == {"trace_id": TRACE_B}
     assert five_ms.exemplar.value == 0.0041
-    ten_us = samples[("kvcompose_transfer_duration_seconds_bucket", _lane("cold", "save", le="1e-05"))]
+    ten_us = samples[("kvcompose_transfer_lifetime_seconds_bucket", _lane("cold", "save", le="1e-05"))]
     assert ten_us.value == 1 and ten_us.exemplar is None  # on the bound: le; untraced
-    assert samples[("kvcompose_transfer_duration_seconds_bucket", _lane("cold", "save", le="2.5"))].exemplar.labels \
+    assert samples[("kvcompose_transfer_lifetime_seconds_bucket", _lane("cold", "save", le="2.5"))].exemplar.labels \
         == {"trace_id": TRACE_C}
+    # Copy times, labelled with their source (recording children: kvcompose's calls); engine wait.
+    hot_load_copy = _lane("hot", "load", source="calls")
+    assert samples[("kvcompose_transfer_copy_seconds_count", hot_load_copy)].value == 2
+    assert samples[("kvcompose_transfer_copy_seconds_sum", hot_load_copy)].value == pytest.approx(0.003)
+    assert samples[("kvcompose_transfer_copy_seconds_count", _lane("cold", "save", source="calls"))].value == 1
+    assert samples[("kvcompose_engine_wait_seconds_total", hot_load)].value == 0.25
+    assert samples[("kvcompose_engine_wait_seconds_total", cold_save)].value == 0
     assert samples[("kvcompose_transfer_bytes_total", hot_load)].value == 2000
     assert samples[("kvcompose_transfer_bytes_total", cold_save)].value == (1 << 20) + 10
     assert samples[("kvcompose_transfers_in_flight", hot_load)].value == 0
@@ -303,10 +320,10 @@ def test_in_flight_adds_up_across_api_server_processes(tmp_path: Path) -> None:
         "from kvcompose.metrics.transfer_series import TransferSeries\n"
         "from kvcompose.metrics.transfers import TransferRecorder\n"
         "metrics = TransferSeries({k: k for k in (Counter, Gauge, Histogram)}, ['model_name', 'engine', 'connector'],\n"
-        "                         {0: ['m', '0']}, ['hot', 'cold'], BOUNDS)\n"
+        "                         {0: ['m', '0']}, ['hot', 'cold'], ['calls', 'calls'], BOUNDS)\n"
         "recorder = TransferRecorder(True, ['hot', 'cold'], BOUNDS)\n"
         "for _ in range(int(sys.argv[1])):\n    recorder.started(0, 'load')\n"
-        "for _ in range(int(sys.argv[2])):\n    recorder.ended(0, 'load', 0.01, 1, 'ok', None)\n"
+        "for _ in range(int(sys.argv[2])):\n    recorder.ended(0, 'load', 0.01, None, 1, 'ok', None)\n"
         "metrics.observe(recorder.take(), 0)\n"
     )
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
@@ -365,7 +382,7 @@ def test_exemplars_reach_prometheus_from_vllms_metrics_endpoint(
     recorded = {(0, "load", 0.003, TRACE_A), (1, "save", 1.7, TRACE_B)}
     for child, direction, seconds, trace_id in recorded:
         recorder.started(child, direction)
-        recorder.ended(child, direction, seconds, 4096, "ok", trace_id)
+        recorder.ended(child, direction, seconds, seconds / 2, 4096, "ok", trace_id)
     stat_logger.kv_connector_prom.observe(KVComposeStats(data={TRANSFERS_KEY: recorder.take()}).to_dict(), 0)
 
     request = urllib.request.Request(f"{url}/metrics/", headers={"Accept": "application/openmetrics-text"})
@@ -378,7 +395,7 @@ def test_exemplars_reach_prometheus_from_vllms_metrics_endpoint(
         def exemplars() -> set[tuple[str, str, str, str, float]]:
             now = time.time()
             found = api(prometheus.url, "query_exemplars", {
-                "query": "kvcompose_transfer_duration_seconds_bucket", "start": now - 300, "end": now + 60})
+                "query": "kvcompose_transfer_lifetime_seconds_bucket", "start": now - 300, "end": now + 60})
             return {(series["seriesLabels"]["connector"], series["seriesLabels"]["direction"],
                      series["seriesLabels"]["le"], exemplar["labels"]["trace_id"], float(exemplar["value"]))
                     for series in found for exemplar in series["exemplars"]}

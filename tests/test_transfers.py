@@ -62,7 +62,12 @@ def _admit(scheduler: Any, request: Any) -> None:
 
 
 def _transfers(exporter: Any) -> list[ReadableSpan]:
-    return [span for span in exporter.get_finished_spans() if span.name == "kvcompose.transfer"]
+    """The transfer spans, each named ``kvcompose.transfer <direction> <child>``."""
+    spans = [span for span in exporter.get_finished_spans() if span.name.startswith("kvcompose.transfer ")]
+    for span in spans:
+        assert span.name == f"kvcompose.transfer {span.attributes[attr.TRANSFER_DIRECTION]} " \
+                            f"{span.attributes[attr.CONNECTOR_NAME]}"
+    return spans
 
 
 def _described(span: ReadableSpan) -> tuple[str, str, str]:
@@ -216,7 +221,7 @@ def test_a_failed_load_is_a_failed_transfer(vllm_config_with: Callable, exporter
     transfers = _transfers(exporter)
     assert sorted(map(_described, transfers)) == [
         ("cold", "load", "failed"), ("cold", "save", "aborted"), ("hot", "save", "aborted")]
-    assert [span.status.status_code is StatusCode.ERROR for span in transfers if span.name == "kvcompose.transfer"
+    assert [span.status.status_code is StatusCode.ERROR for span in transfers if span.name.startswith("kvcompose.transfer ")
             and span.attributes[attr.TRANSFER_OUTCOME] == "failed"] == [True]
     failed = next(span for span in transfers if span.attributes[attr.TRANSFER_OUTCOME] == "failed")
     assert failed.attributes[attr.ERROR_TYPE] == "kvcompose.testing.recording.ScriptedFailure"  # the cause
@@ -249,7 +254,7 @@ def test_each_kind_of_child_is_tracked_by_how_it_reports_completion() -> None:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvcompose.connectors.transfers import completion_mode
+    from kvcompose.instrumentation.transfers import completion_mode
 
     def mode(connector: str) -> str:
         config = KVTransferConfig(kv_connector=connector, kv_role="kv_both")

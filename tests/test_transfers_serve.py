@@ -56,7 +56,7 @@ def offload_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, o
 def _transfers(receiver: Any, trace_id: str, done: Any, seconds: float = 90) -> list[ReceivedSpan]:
     deadline = time.monotonic() + seconds
     while True:
-        spans = [s for s in receiver.received() if s.trace_id == trace_id and s.name == "kvcompose.transfer"]
+        spans = [s for s in receiver.received() if s.trace_id == trace_id and s.name.startswith("kvcompose.transfer ")]
         if done(spans) or time.monotonic() > deadline:
             return spans
         time.sleep(0.5)
@@ -95,18 +95,43 @@ def test_offload_transfers_are_traced_measured_and_exemplified(
         assert span.duration_ns > 0 and span.attributes["kvcompose.transfer.outcome"] == "ok"
         assert span.attributes["kvcompose.transfer.bytes"] > 0 and span.attributes["kvcompose.transfer.blocks"] > 0
 
-    # Each offload transfer lasts at least the copy its worker timed (vLLM's own kv_offload metrics).
+    # Each offload transfer lasts at least the copy its worker timed (vLLM's own kv_offload metrics), and its copy
+    # time is that measurement: the copy time series add up to vLLM's own totals.
     metrics = offload_server.metrics()
     store_time = _metric(metrics, "vllm:kv_offload_store_time_total")
     load_time = _metric(metrics, "vllm:kv_offload_load_time_total")
     assert 0 < store_time <= sum(_durations_s(saved, "offload", "save")) + 1e-6
     assert 0 < load_time <= sum(_durations_s(loaded, "offload", "load")) + 1e-6
+    for direction, measured in (("save", store_time), ("load", load_time)):
+        copied = _metric(metrics, "kvcompose_transfer_copy_seconds_sum", connector="offload", direction=direction,
+                         source="child")
+        assert copied == pytest.approx(measured, rel=1e-3)
+    for span in saved + loaded:  # a copy time no longer than the transfer's lifetime, wherever it comes from
+        assert 0 < span.attributes["kvcompose.transfer.copy_seconds"] * 1e9 <= span.duration_ns
+    assert {span.attributes["kvcompose.transfer.copy_source"] for span in saved + loaded
+            if span.attributes["kvcompose.connector.name"] == "disk"} == {"calls"}
+    assert _metric(metrics, "kvcompose_engine_wait_seconds_total", connector="disk", direction="save") > 0
+
+    # One miss, then one hit, for each child; the hit's tokens are vLLM's own count of external hits.
+    for child in ("offload", "disk"):
+        assert _metric(metrics, "kvcompose_lookups_total", connector=child, result="hit") == 1
+        assert _metric(metrics, "kvcompose_lookups_total", connector=child, result="miss") == 1
+        assert _metric(metrics, "kvcompose_matched_tokens_total", connector=child) == _metric(
+            metrics, "vllm:external_prefix_cache_hits_total") > 0
+
+    # The repeat's request span says which tier loaded it, and what its transfers did.
+    (repeat,) = [span for span in otlp_receiver.received() if span.trace_id == traces[1]
+                 and span.name == "kvcompose.request"]
+    assert repeat.attributes["kvcompose.load.connector"] == "offload"
+    assert repeat.attributes["kvcompose.tier.offload.load_bytes"] == sum(
+        span.attributes["kvcompose.transfer.bytes"] for span in loaded
+        if span.attributes["kvcompose.connector.name"] == "offload")
     assert _metric(metrics, "vllm:kv_offload_load_bytes_total") == sum(
         span.attributes["kvcompose.transfer.bytes"] for span in loaded
         if span.attributes["kvcompose.connector.name"] == "offload")
 
     # The transfer series, per child and direction, in vLLM's /metrics.
-    assert _metric(metrics, "kvcompose_transfer_duration_seconds_count", connector="offload", direction="load") >= 1
+    assert _metric(metrics, "kvcompose_transfer_lifetime_seconds_count", connector="offload", direction="load") >= 1
     assert _metric(metrics, "kvcompose_transfer_bytes_total", connector="disk", direction="save") > 0
     assert _metric(metrics, "kvcompose_transfers_in_flight", connector="offload", direction="load") == 0
 
@@ -116,7 +141,7 @@ def test_offload_transfers_are_traced_measured_and_exemplified(
         def exemplar_traces() -> set[str]:
             now = time.time()
             found = api(prometheus.url, "query_exemplars", {
-                "query": "kvcompose_transfer_duration_seconds_bucket", "start": now - 600, "end": now + 60})
+                "query": "kvcompose_transfer_lifetime_seconds_bucket", "start": now - 600, "end": now + 60})
             return {exemplar["labels"]["trace_id"] for series in found for exemplar in series["exemplars"]}
 
         wait(lambda: exemplar_traces() & set(traces), 60, lambda: f"{exemplar_traces()}\n{prometheus.log.read_text()}")

@@ -1,9 +1,24 @@
 """vLLM connectors: the composite and the children kvcompose ships.
 
-Importing this package imports vLLM.
+The names below load on first use (vLLM's connector factory reads them as
+attributes of this module): importing a module of this package for what it
+defines alone, such as the circuit breaker, does not import the composite.
 """
 
-from kvcompose.connectors.composite import KVComposeConnector, KVComposeHMAConnector
-from kvcompose.connectors.fault_injection import FaultInjectionConnector
+from __future__ import annotations
 
-__all__ = ["FaultInjectionConnector", "KVComposeConnector", "KVComposeHMAConnector"]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "KVComposeConnector": "kvcompose.connectors.composite",
+    "KVComposeHMAConnector": "kvcompose.connectors.composite",
+    "FaultInjectionConnector": "kvcompose.connectors.fault_injection",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvcompose.connectors' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -3,12 +3,15 @@
 Load from one child (chosen by the pipeline's load policy; ``first_match`` is
 MultiConnector's rule), save to every child with ``save: true``, and forward or
 aggregate every other method of ``KVConnectorBase_V1`` the way MultiConnector
-does. This module holds the forwarding logic only. Each loop iterates the
-operation's calls (``self._calls.<operation>``, see
-:mod:`kvcompose.connectors.calls`), catches a child's failure itself and asks
-the child's guard what it answers (see :mod:`kvcompose.connectors.isolation`). Metrics, tracing and transfer
-tracking wrap this connector's methods from outside, when the pipeline turns
-them on (:mod:`kvcompose.connectors.instrumentation`).
+does. Each loop iterates the operation's calls (``self._calls.<operation>``,
+see :mod:`kvcompose.connectors.calls`), catches a child's failure itself and
+asks the child's guard what it answers (see :mod:`kvcompose.connectors.isolation`).
+
+When the pipeline turns metrics or tracing on, the composite holds an
+instrumentation of its role (:mod:`kvcompose.instrumentation`): it reads its
+calls through it, and tells it what happens where it happens (a request
+admitted, a step bound, a save waited for). Those hooks are the lines that
+start with ``if self._instrumentation is not None``.
 
 Deliberately not forwarded:
 - ``get_kv_connector_kv_cache_events``: MultiConnector does not aggregate it
@@ -53,12 +56,13 @@ from kvcompose.connectors.children import (
     pipeline_from_vllm_config,
     resolved_children,
 )
-from kvcompose.connectors.instrumentation import Instrumentation
 from kvcompose.connectors.isolation import ChildGuard
 from kvcompose.connectors.ledger import SchedulerLedger, WorkerLedger
 from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
 from kvcompose.connectors.pairing import PairingCheck, PipelineShape
 from kvcompose.connectors.policies import POLICIES
+from kvcompose.instrumentation import SchedulerInstrumentation, WorkerInstrumentation, instrument
+from kvcompose.instrumentation.watchdog import watchdog
 from kvcompose.logs import configure_logging, get_logger
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.prometheus import KVComposePromMetrics
@@ -67,24 +71,34 @@ from kvcompose.operations import FAILED, OPERATIONS, Operation
 
 logger = get_logger("connector")
 
-_OPS = OPERATIONS
-_LOOKUP, _AFTER_ALLOC, _BIND = _OPS["get_num_new_matched_tokens"], _OPS["update_state_after_alloc"], _OPS[
-    "bind_connector_metadata"]
-_START_LOAD, _WAIT_FOR_SAVE = _OPS["start_load_kv"], _OPS["wait_for_save"]
-_LAYER_LOAD, _LAYER_SAVE = _OPS["wait_for_layer_load"], _OPS["save_kv_layer"]
-_TRANSFER_RESULTS, _LOAD_ERRORS = _OPS["get_transfer_results"], _OPS["get_block_ids_with_load_errors"]
-_FINISHED, _FINISHED_ALL_GROUPS = _OPS["request_finished"], _OPS["request_finished_all_groups"]
-# The other isolated operations, whose failures the loops below catch as well.
-_CLEAR, _PREEMPTIONS, _FINISH_FORWARD = _OPS["clear_connector_metadata"], _OPS["handle_preemptions"], _OPS[
-    "finish_forward"]
-_WORKER_META, _STATS = _OPS["build_connector_worker_meta"], _OPS["get_kv_connector_stats"]
-_HIT_SOURCES, _NEW_REQUEST, _BUILD_META = _OPS["get_external_cache_hit_sources"], _OPS["on_new_request"], _OPS[
-    "build_connector_meta"]
-_OUTPUT, _FREES, _PUSH, _RESET = _OPS["update_connector_output"], _OPS["has_pending_block_frees"], _OPS[
-    "has_pending_push_work"], _OPS["reset_cache"]
+# The operations whose failures the composite's loops catch (each child's guard answers for it).
+_LOOKUP = OPERATIONS["get_num_new_matched_tokens"]
+_AFTER_ALLOC = OPERATIONS["update_state_after_alloc"]
+_BIND = OPERATIONS["bind_connector_metadata"]
+_START_LOAD = OPERATIONS["start_load_kv"]
+_WAIT_FOR_SAVE = OPERATIONS["wait_for_save"]
+_LAYER_LOAD = OPERATIONS["wait_for_layer_load"]
+_LAYER_SAVE = OPERATIONS["save_kv_layer"]
+_TRANSFER_RESULTS = OPERATIONS["get_transfer_results"]
+_LOAD_ERRORS = OPERATIONS["get_block_ids_with_load_errors"]
+_FINISHED = OPERATIONS["request_finished"]
+_FINISHED_ALL_GROUPS = OPERATIONS["request_finished_all_groups"]
+_CLEAR = OPERATIONS["clear_connector_metadata"]
+_PREEMPTIONS = OPERATIONS["handle_preemptions"]
+_FINISH_FORWARD = OPERATIONS["finish_forward"]
+_WORKER_META = OPERATIONS["build_connector_worker_meta"]
+_STATS = OPERATIONS["get_kv_connector_stats"]
+_HIT_SOURCES = OPERATIONS["get_external_cache_hit_sources"]
+_NEW_REQUEST = OPERATIONS["on_new_request"]
+_BUILD_META = OPERATIONS["build_connector_meta"]
+_OUTPUT = OPERATIONS["update_connector_output"]
+_FREES = OPERATIONS["has_pending_block_frees"]
+_PUSH = OPERATIONS["has_pending_push_work"]
+_RESET = OPERATIONS["reset_cache"]
 # Never isolated: every child is asked, then the last failure raised.
-_MEM_POOL, _SHUTDOWN = _OPS["get_mem_pool_context"], _OPS["shutdown"]
-_UNREGISTER, _RESTORE = _OPS["unregister_kv_caches"], _OPS["restore_kv_caches"]
+_SHUTDOWN = OPERATIONS["shutdown"]
+_UNREGISTER = OPERATIONS["unregister_kv_caches"]
+_RESTORE = OPERATIONS["restore_kv_caches"]
 _NO_MATCH = (0, False)
 
 if TYPE_CHECKING:
@@ -104,57 +118,48 @@ if TYPE_CHECKING:
 class KVComposeConnector(KVConnectorBase_V1):
     """A KV connector made of the named children of a kvcompose pipeline."""
 
-    # The composite's own state lives in slots. The instance dict keeps vLLM's base class attributes and the
-    # methods the instrumentation installs: with both on it, the scheduler's and the worker's composites in one
-    # process (a single-GPU engine) would need more than the 30 keys CPython shares between the instances of a
-    # class, and the one made second would get a dict of its own, making every attribute read of its hot
-    # path slower (wait_for_layer_load, metrics on: +38 ns of 190, 2 children).
-    __slots__ = ("pipeline", "children", "_instrumentation", "_guards", "_open_guards", "_breakers_changed",
-                 "_child_calls", "_calls", "_loaders", "_choose_loader", "_pairing", "_scheduler_ledger",
-                 "_lookup_rounds", "_steps", "_worker_ledger")
-
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.pipeline = pipeline_from_vllm_config(vllm_config)
         configure_logging(self.pipeline.logging)
+        worker = role is KVConnectorRole.WORKER
         specs = child_specs(vllm_config, self.pipeline)
-        # None when the pipeline turns metrics and tracing off: then nothing but forwarding runs.
-        self._instrumentation = Instrumentation.of(self.pipeline, role, specs, vllm_config, kv_cache_config)
-        on_failure = self._instrumentation.failed if self._instrumentation is not None else None
-        self._guards = [ChildGuard(child, self._guard_changed, on_failure) for child in self.pipeline.children]
+        self._guards = [ChildGuard(child, self._guard_changed, self._child_failed) for child in self.pipeline.children]
         for guard in self._guards:
-            guard.half_open_at_step_start = role is KVConnectorRole.WORKER
+            guard.half_open_at_step_start = worker
         self._open_guards: list[ChildGuard] = []  # those whose circuit is not closed
         self._breakers_changed = False  # a circuit changed state since the last stats
+        # The children's indices, in the order they answer lookups.
+        self._loaders = tuple(spec.index for spec in specs if spec.config.load)
+        self._scheduler_ledger = SchedulerLedger(vllm_config.cache_config.block_size, self._loaders)
+        self._worker_ledger = WorkerLedger()
+        # None when the pipeline turns metrics and tracing off: then nothing but forwarding runs.
+        self._instrumentation: SchedulerInstrumentation | WorkerInstrumentation | None = instrument(
+            self.pipeline, worker, specs, self._guards, self._scheduler_ledger, vllm_config, kv_cache_config)
         self.children = [Child(spec, construct_child(spec, role, kv_cache_config), self._guards[spec.index])
                          for spec in specs]
-        self._child_calls = ChildCalls(self.children, self._instrumentation.call_wrappers()
-                                       if self._instrumentation is not None else None)
-        self._calls = self._child_calls.current  # per operation, the calls its loop makes
-        # The children's indices, in the order they answer lookups.
-        self._loaders = tuple(child.index for child in self.children if child.load)
-        policy = self.pipeline.load.policy
-        # first_match, MultiConnector's rule, is chosen as the loaders answer (no call on every lookup) and
-        # keeps the chosen answer only; another policy, or metrics (they count every answer), keep them all.
-        self._choose_loader = None if policy == "first_match" else POLICIES[policy]
-        if self._choose_loader is not None or self.pipeline.metrics.enabled:
-            self.get_num_new_matched_tokens = self._lookup_keeping_every_answer  # type: ignore[method-assign]
+        self._child_calls = ChildCalls(
+            self.children, self._instrumentation.observe if self._instrumentation is not None else None)
+        # Per operation, the calls its loop makes (on the worker, chosen again for each step).
+        self._calls = (self._instrumentation.calls_for(self._child_calls) if self._instrumentation is not None
+                       else self._child_calls.plain)
+        self._choose_loader = POLICIES[self.pipeline.load.policy]
         self._check_hma(vllm_config)
         hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         shape = PipelineShape.of(self.pipeline.name, (c.spec for c in self.children), hma_enabled)
         self._pairing = PairingCheck(shape)  # a prefill/decode pair's pipelines must match
-        self._scheduler_ledger = SchedulerLedger(vllm_config.cache_config.block_size, self._loaders)
-        self._lookup_rounds = self._scheduler_ledger.rounds  # written on every lookup
         self._steps = 0  # scheduler side: metadata built so far
-        self._worker_ledger = WorkerLedger()
+        # Worker side: off for the rest of a step whose synchronous load failed (see _loads_failed).
+        self._layer_saves = True
         logger.info(
             "pipeline started", pipeline=self.pipeline.name, role=role.name.lower(),
-            children=[f"{c.name}={c.spec.class_name}" for c in self.children], load_policy=policy,
+            children=[f"{c.name}={c.spec.class_name}" for c in self.children], load_policy=self.pipeline.load.policy,
             metrics=self.pipeline.metrics.enabled,
             tracing=self.pipeline.tracing.granularity if self.pipeline.tracing.enabled else "off",
         )
-        if self._instrumentation is not None:
-            self._instrumentation.attach(self, self._child_calls, self._scheduler_ledger)
+        if self.pipeline.watchdog_s is not None:
+            watchdog().watch(self, self.pipeline.name, role.name.lower(), self._child_calls, self._instrumentation,
+                             self.pipeline.watchdog_s)
 
     def _guard_changed(self, guard: ChildGuard, state_changed: bool) -> None:
         self._child_calls.rebuild(self.children[self._guards.index(guard)])
@@ -163,13 +168,18 @@ class KVComposeConnector(KVConnectorBase_V1):
         if state_changed and self._instrumentation is not None:
             self._instrumentation.breaker_changed(guard.name, guard.state.name.lower())
 
+    def _child_failed(self, child_name: str, operation: Operation, error: Exception) -> None:
+        """A child call raised (told by the child's guard, before it answers)."""
+        if self._instrumentation is not None:
+            self._instrumentation.failed(child_name, operation, error)
+
     def _answer(self, operation: Operation, call: Callable[..., Any], error: Exception) -> Any:
         """What the child whose ``call`` raised ``error`` answers (or ``error`` raised again: see its guard)."""
-        return self._child_calls.owner(operation, call).guard.answer(operation, error)
+        return self._child_calls.owner(call).guard.answer(operation, error)
 
     def _load_failed(self, operation: Operation, call: Callable[..., Any], error: Exception) -> None:
         """A loader's ``call`` raised: once its guard has answered, its loads go back to vLLM."""
-        child = self._child_calls.owner(operation, call)
+        child = self._child_calls.owner(call)
         child.guard.answer(operation, error)
         self._fail_loads(child.index)
 
@@ -181,8 +191,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         """A failed synchronous load means this step's forward reads blocks that
         were never filled: what it saves would poison the other tiers, so no
         child saves a layer until the step ends."""
-        if self._child_calls.layer_saves and any(not plan.load_async for plan in plans):
-            self._child_calls.set_layer_saves(False)
+        if self._layer_saves and any(not plan.load_async for plan in plans):
+            self._layer_saves = False
             logger.warning("layer saves skipped for this step after a failed load",
                            connector=sorted({self.children[plan.child].name for plan in plans}))
 
@@ -224,7 +234,7 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def get_mem_pool_context(self) -> AbstractContextManager | None:
         """At most one child may own the KV cache memory pool."""
-        pools = [(self._child_calls.owner(_MEM_POOL, get_pool).name, pool)
+        pools = [(self._child_calls.owner(get_pool).name, pool)
                  for get_pool in self._calls.get_mem_pool_context if (pool := get_pool()) is not None]
         if len(pools) > 1:
             raise ValueError(
@@ -239,6 +249,8 @@ class KVComposeConnector(KVConnectorBase_V1):
             guard.step_started()
         if cancelled := self._worker_ledger.begin_step(connector_metadata):
             self._loads_failed(cancelled)
+        if self._instrumentation is not None:  # it chooses how this step's calls are made
+            self._calls = self._instrumentation.step_bound(connector_metadata)
         binds = self._calls.bind_connector_metadata
         for bind, metadata in zip(binds, connector_metadata.per_child, strict=True):
             try:
@@ -255,8 +267,9 @@ class KVComposeConnector(KVConnectorBase_V1):
                 self._answer(_CLEAR, clear, error)
         super().clear_connector_metadata()
         self._worker_ledger.end_step()
-        if not self._child_calls.layer_saves:  # back to every step's layer saves
-            self._child_calls.set_layer_saves(True)
+        self._layer_saves = True  # back to every step's layer saves
+        if self._instrumentation is not None:
+            self._calls = self._instrumentation.step_cleared()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVComposeMetadata)
@@ -284,6 +297,8 @@ class KVComposeConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
+        if not self._layer_saves:  # a synchronous load of this step failed
+            return
         for save in self._calls.save_kv_layer:
             try:
                 save(layer_name, kv_layer, attn_metadata, **kwargs)
@@ -296,6 +311,8 @@ class KVComposeConnector(KVConnectorBase_V1):
                 wait()
             except Exception as error:
                 self._answer(_WAIT_FOR_SAVE, wait, error)
+        if self._instrumentation is not None:
+            self._instrumentation.saves_waited(self._layer_saves)
 
     def finish_forward(self) -> None:
         for finish in self._calls.finish_forward:
@@ -322,7 +339,10 @@ class KVComposeConnector(KVConnectorBase_V1):
                 answers.append(get_results(finished_req_ids))
             except Exception as error:
                 answers.append(self._answer(_TRANSFER_RESULTS, get_results, error))
-        return self._worker_ledger.settle(answers)
+        settled = self._worker_ledger.settle(answers)
+        if self._instrumentation is not None:
+            self._instrumentation.transfer_results(answers, finished_req_ids, settled)
+        return settled
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The children's failed blocks, plus those of loads kvcompose gave back for a failed child."""
@@ -336,6 +356,8 @@ class KVComposeConnector(KVConnectorBase_V1):
                 self._fail_loads(index)
             elif child_failed:
                 failed |= child_failed
+                if self._instrumentation is not None:
+                    self._instrumentation.load_errors(index, child_failed)
         load_errors, given_back = self._worker_ledger.take_load_errors()
         if given_back and self._instrumentation is not None:
             self._instrumentation.loads_given_back(given_back)
@@ -358,15 +380,20 @@ class KVComposeConnector(KVConnectorBase_V1):
         return None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Each child's worker metadata, and (tracing on) what the traced requests' transfers did, for the
+        scheduler."""
         per_child = []
         for build in self._calls.build_connector_worker_meta:
             try:
                 per_child.append(build())
             except Exception as error:
                 per_child.append(self._answer(_WORKER_META, build, error))
-        if per_child.count(None) == len(per_child):
+        summaries = None
+        if self._instrumentation is not None:
+            summaries = self._instrumentation.worker_meta_built(per_child)
+        if per_child.count(None) == len(per_child) and not summaries:
             return None
-        return KVComposeWorkerMetadata(per_child=tuple(per_child))
+        return KVComposeWorkerMetadata(per_child=tuple(per_child), summaries=summaries)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Each child's own stats and its breaker's report, and (with metrics on) kvcompose's tables, since
@@ -378,8 +405,10 @@ class KVComposeConnector(KVConnectorBase_V1):
             except Exception as error:
                 child_stats = self._answer(_STATS, get_stats, error)
             if child_stats is not None and not child_stats.is_empty():
-                child = self._child_calls.owner(_STATS, get_stats)
+                child = self._child_calls.owner(get_stats)
                 native[child.name] = NativeStats(child.class_path, child_stats)
+                if self._instrumentation is not None:
+                    self._instrumentation.child_stats(child.index, child_stats)
         breakers = {}
         if self._open_guards or self._breakers_changed:  # else every circuit is closed and was at the last report
             self._breakers_changed = False
@@ -402,47 +431,23 @@ class KVComposeConnector(KVConnectorBase_V1):
             bind(gpu_block_pool)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """MultiConnector's rule: every loader is asked, in pipeline order, so each sees the request's lookup;
-        the first with tokens loads. Only that answer is kept. (Another load policy, or metrics, which count
-        every loader's answer, use :meth:`_lookup_keeping_every_answer` instead: see ``__init__``.)"""
+        """Every loader is asked, in pipeline order, so each sees the request's lookup (as MultiConnector asks
+        every child); a loader still looking (None tokens) makes the whole answer "ask again later". The load
+        policy picks the loader among the answers (first_match: the first with tokens, MultiConnector's rule)."""
         if request.kv_transfer_params:  # a remote prefill's: check the pair's pipelines match
             self._pairing.check(request.kv_transfer_params)
-        chosen = None  # position of the first answer with tokens
-        position = 0
-        for lookup in self._calls.get_num_new_matched_tokens:
-            try:
-                answer = lookup(request, num_computed_tokens)
-            except Exception as error:
-                answer = self._answer(_LOOKUP, lookup, error)
-            if (tokens := answer[0]) is None:  # still looking: the whole answer is "ask again later"
-                return None, False
-            if chosen is None and tokens > 0:
-                chosen, matched = position, answer
-            position += 1
-        if chosen is None:
-            return _NO_MATCH
-        self._lookup_rounds[request.request_id] = (chosen, matched, num_computed_tokens, None)
-        return matched
-
-    def _lookup_keeping_every_answer(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """:meth:`get_num_new_matched_tokens`, keeping every loader's answer for the load policy and the metrics."""
-        if request.kv_transfer_params:
-            self._pairing.check(request.kv_transfer_params)
         answers = []
-        first = None  # position of the first answer with tokens: first_match, chosen as the loaders answer
         for lookup in self._calls.get_num_new_matched_tokens:
             try:
                 answer = lookup(request, num_computed_tokens)
             except Exception as error:
                 answer = self._answer(_LOOKUP, lookup, error)
-            if (tokens := answer[0]) is None:
+            if answer[0] is None:
                 return None, False
-            if first is None and tokens > 0:
-                first = len(answers)
             answers.append(answer)
-        chosen = first if self._choose_loader is None else self._choose_loader(answers)
+        chosen = self._choose_loader(answers)
         matched = _NO_MATCH if chosen is None else answers[chosen]
-        self._lookup_rounds[request.request_id] = (chosen, matched, num_computed_tokens, answers)
+        self._scheduler_ledger.rounds[request.request_id] = (chosen, matched, num_computed_tokens, answers)
         return matched
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -474,6 +479,8 @@ class KVComposeConnector(KVConnectorBase_V1):
                 accepted = accepted and index != loading
         if loading is not None:
             self._scheduler_ledger.plan_load(request.request_id, blocks, num_external_tokens, accepted)
+        if self._instrumentation is not None:
+            self._instrumentation.admitted(request, num_external_tokens)
 
     def on_new_request(self, request: Request) -> None:
         for on_new in self._calls.on_new_request:
@@ -496,12 +503,16 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._steps += 1
         metadata = KVComposeMetadata(per_child=tuple(per_child), step=self._steps)
         self._scheduler_ledger.fill(metadata)
+        if self._instrumentation is not None:
+            self._instrumentation.metadata_built(scheduler_output, metadata)
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Each child sees its own worker metadata in ``kv_connector_worker_meta``."""
         composite_meta = connector_output.kv_connector_worker_meta
         assert composite_meta is None or isinstance(composite_meta, KVComposeWorkerMetadata)
+        if self._instrumentation is not None:
+            self._instrumentation.worker_output(composite_meta)
         try:
             for index, update in enumerate(self._calls.update_connector_output):
                 if composite_meta is not None:
@@ -551,6 +562,8 @@ class KVComposeConnector(KVConnectorBase_V1):
                         params.update(child_params)
         finally:
             self._scheduler_ledger.finished(request.request_id, async_savers)
+            if self._instrumentation is not None:
+                self._instrumentation.request_finished(request, bool(async_savers))
         return bool(async_savers), self._pairing.stamp(params)
 
     def register_finished_partial_tail(
@@ -605,6 +618,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         """Close the instrumentation and shut every child down, whatever fails; then re-raise the last
         failure, if any."""
         failure: Exception | None = None
+        watchdog().unwatch(self)
         if self._instrumentation is not None:
             try:
                 self._instrumentation.close()
@@ -622,7 +636,7 @@ class KVComposeConnector(KVConnectorBase_V1):
             try:
                 call()
             except Exception as error:
-                name = self._child_calls.owner(operation, call).name
+                name = self._child_calls.owner(call).name
                 logger.error("child call failed", connector=name, op=operation.name, error_type=type(error).__name__)
                 failure = error
         if failure is not None:

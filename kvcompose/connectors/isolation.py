@@ -57,7 +57,7 @@ from typing import Any
 from kvcompose.config import ChildConfig
 from kvcompose.logs import get_logger
 from kvcompose.operations import Operation
-from kvcompose.tracing.pipeline import qualified_name
+from kvcompose.tracing.attributes import qualified_name
 
 logger = get_logger("isolation")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvcompose.tracing import TracedRequest
+from kvcompose.tracing.pipeline import Summaries, TracedRequest
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,11 @@ class KVComposeMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVComposeWorkerMetadata(KVConnectorWorkerMetadata):
-    """Per-child worker metadata (pipeline order; None where a child sent none)."""
+    """Per-child worker metadata (pipeline order; None where a child sent none), and what the transfers of traced
+    requests did, for their request spans on the scheduler (only the worker that tracks transfers sends any)."""
 
     per_child: tuple[KVConnectorWorkerMetadata | None, ...]
+    summaries: Summaries | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVComposeWorkerMetadata) or len(other.per_child) != len(self.per_child):
@@ -55,4 +57,4 @@ class KVComposeWorkerMetadata(KVConnectorWorkerMetadata):
             mine if theirs is None else theirs if mine is None else mine.aggregate(theirs)
             for mine, theirs in zip(self.per_child, other.per_child, strict=True)
         )
-        return KVComposeWorkerMetadata(per_child=merged)
+        return KVComposeWorkerMetadata(per_child=merged, summaries=self.summaries or other.summaries)

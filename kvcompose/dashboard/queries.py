@@ -111,7 +111,7 @@ BREAKER_OPENS = Query(
 
 # Each child's transfers (kvcompose/metrics/transfer_series.py), by direction (load, save).
 TRANSFER_LATENCY = _quantiles(
-    "transfer", "kvcompose_transfer_duration_seconds", "connector, direction", (0.5, 0.99), exemplars=True
+    "transfer", "kvcompose_transfer_lifetime_seconds", "connector, direction", (0.5, 0.99), exemplars=True
 )
 TRANSFER_BYTES = Query(
     "transfer_bytes", "{{connector}} {{direction}}",

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
+from kvcompose.instrumentation.transfers import copy_source
 from kvcompose.metrics.histograms import CellAdder, cell_adder
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY, TELEMETRY_KEY, TRANSFERS_KEY
@@ -132,6 +133,7 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
         # (engine, child, op) -> how to add a cell to its histogram series: labels() costs more than that.
         self._duration_series: dict[tuple[int, str, str], CellAdder] = {}
         self._transfers = TransferSeries(metric_types, names, per_engine_labelvalues, [spec.name for spec in specs],
+                                         [copy_source(spec.connector_cls) for spec in specs],
                                          pipeline.metrics.transfer_buckets)
         self.spans_dropped = self._counter_cls(
             "kvcompose_spans_dropped_total",

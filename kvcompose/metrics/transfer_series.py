@@ -1,9 +1,11 @@
 """The Prometheus series of each child's transfers, fed a TransferTable at a time.
 
-Per engine, child (``connector``) and ``direction``: the duration histogram
-(its buckets' exemplars link to the traces), bytes moved, transfers in flight
-and failures by ``outcome``, every series created at 0 at start-up so that
-``rate()`` sees the first transfer.
+Per engine, child (``connector``) and ``direction``: the lifetime histogram
+(its buckets' exemplars link to the traces), the copy-time histogram (labelled
+with where the child's copy times come from, ``source``), bytes moved,
+transfers in flight, failures by ``outcome`` and engine wait, every series
+created at 0 at start-up so that ``rate()`` sees the first transfer. The three
+times are defined in kvcompose.instrumentation.transfers.
 
 Exemplars: prometheus_client writes them only in OpenMetrics. vLLM's server
 answers ``/metrics/`` (with the slash) from the prometheus_client app it
@@ -31,9 +33,11 @@ from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferTable
 class _Lane:
     """The series of one engine, child and direction."""
 
-    duration: Any
-    add_duration: CellAdder
+    lifetime: Any
+    add_lifetime: CellAdder
+    add_copy: CellAdder
     moved_bytes: Any
+    engine_wait: Any
     in_flight: Any
     failures: tuple[Any, ...]  # by outcome, in FAILURES' order
     in_flight_now: int = 0  # the sum of the changes this process received
@@ -46,15 +50,31 @@ class TransferSeries:
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
         children: Sequence[str],
+        copy_sources: Sequence[str],
         bounds: Sequence[float],
     ) -> None:
-        """``labelnames``: vLLM's and the child's (``connector``); ``direction`` is added."""
+        """``labelnames``: vLLM's and the child's (``connector``); ``direction`` is added. ``copy_sources``: per
+        child, where its copy times come from (``child`` or ``calls``)."""
         names = [*labelnames, "direction"]
-        duration = metric_types[Histogram](
-            "kvcompose_transfer_duration_seconds",
-            "Duration of each child's KV transfers (loads and saves), from start to done, failed or aborted.",
+        lifetime = metric_types[Histogram](
+            "kvcompose_transfer_lifetime_seconds",
+            "Lifetime of each child's KV transfers: from the step that issues one until the engine learns it is "
+            "done, failed or aborted (a load's wait; how long a save holds its blocks).",
             labelnames=names,
             buckets=list(bounds),
+        )
+        copy = metric_types[Histogram](
+            "kvcompose_transfer_copy_seconds",
+            "Time each child spent moving a transfer's bytes: its own measurement (source=child), or the time "
+            "inside kvcompose's calls into it that moved them (source=calls).",
+            labelnames=[*names, "source"],
+            buckets=list(bounds),
+        )
+        engine_wait = metric_types[Counter](
+            "kvcompose_engine_wait_seconds",
+            "Seconds the forward pass spent inside each child's blocking calls (start_load_kv, wait_for_layer_load: "
+            "load; save_kv_layer, wait_for_save: save).",
+            labelnames=names,
         )
         moved_bytes = metric_types[Counter](
             "kvcompose_transfer_bytes_total", "Bytes of KV each child's transfers moved.", labelnames=names
@@ -77,17 +97,18 @@ class TransferSeries:
         self._lanes: dict[int, list[_Lane]] = {}
         for engine_idx, engine_labels in per_engine_labelvalues.items():
             lanes = self._lanes[engine_idx] = []
-            for child in children:
+            for child, source in zip(children, copy_sources, strict=True):
                 for direction in DIRECTIONS:
                     labels = (*engine_labels, child, direction)
-                    series = duration.labels(*labels)
+                    series = lifetime.labels(*labels)
                     failures = tuple(failed.labels(*labels, outcome) for outcome in FAILURES)
-                    lane = _Lane(series, cell_adder(series, self._bounds), moved_bytes.labels(*labels),
-                                 in_flight.labels(*labels), failures)
+                    lane = _Lane(series, cell_adder(series, self._bounds),
+                                 cell_adder(copy.labels(*labels, source), self._bounds), moved_bytes.labels(*labels),
+                                 engine_wait.labels(*labels), in_flight.labels(*labels), failures)
                     lane.in_flight.set(0)
                     lanes.append(lane)
         some_lane = next(iter(self._lanes.values()))[0]
-        self._exemplars = "exemplar" in inspect.signature(some_lane.duration.observe).parameters
+        self._exemplars = "exemplar" in inspect.signature(some_lane.lifetime.observe).parameters
 
     def observe(self, table: TransferTable, engine_idx: int) -> None:
         if table.children != self._children or table.buckets != len(self._bounds) + 1:
@@ -99,10 +120,15 @@ class TransferSeries:
         for cell, (count, seconds) in table.cells.items():
             lane, bucket = divmod(cell, table.buckets)
             exemplar = table.exemplars.get(cell) if self._exemplars else None
-            lanes[lane].add_duration(bucket, count, seconds, None if exemplar is None else (exemplar[1], exemplar[2]))
-        for lane, moved, change in zip(lanes, table.moved_bytes, table.in_flight, strict=True):
+            lanes[lane].add_lifetime(bucket, count, seconds, None if exemplar is None else (exemplar[1], exemplar[2]))
+        for cell, (count, seconds) in table.copy_cells.items():
+            lane, bucket = divmod(cell, table.buckets)
+            lanes[lane].add_copy(bucket, count, seconds, None)
+        for lane, moved, change, waited in zip(lanes, table.moved_bytes, table.in_flight, table.waited, strict=True):
             if moved:
                 lane.moved_bytes.inc(moved)
+            if waited:
+                lane.engine_wait.inc(waited)
             if change:
                 lane.in_flight_now += change
                 lane.in_flight.set(lane.in_flight_now)  # Ray's gauges have no inc()

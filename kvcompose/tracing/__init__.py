@@ -10,7 +10,6 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "NoTracing": "kvcompose.tracing.pipeline",
     "PipelineTracer": "kvcompose.tracing.pipeline",
     "TracedRequest": "kvcompose.tracing.pipeline",
     "force_flush": "kvcompose.tracing.outbox",

@@ -16,14 +16,18 @@ LOAD_ASYNC = "kvcompose.load.async"
 SAVE_ASYNC = "kvcompose.save.async"
 BLOCKS = "kvcompose.blocks"
 LOADED_BY = "kvcompose.load.connector"
+LOADED_TOKENS = "kvcompose.tokens.loaded"
 REQUESTS = "kvcompose.requests"
 LAYER = "kvcompose.layer"
 FINISHED_SENDING = "kvcompose.finished.sending"
 FINISHED_RECVING = "kvcompose.finished.recving"
+TRANSFER_SPAN = "kvcompose.transfer"  # transfer spans are named "kvcompose.transfer <direction> <child>"
 TRANSFER_DIRECTION = "kvcompose.transfer.direction"  # load | save
 TRANSFER_BLOCKS = "kvcompose.transfer.blocks"
 TRANSFER_BYTES = "kvcompose.transfer.bytes"
 TRANSFER_OUTCOME = "kvcompose.transfer.outcome"  # ok | failed | aborted
+TRANSFER_COPY_SECONDS = "kvcompose.transfer.copy_seconds"
+TRANSFER_COPY_SOURCE = "kvcompose.transfer.copy_source"  # child | calls
 ERROR_TYPE = "error.type"  # OpenTelemetry's semantic convention for failures
 
 SPAN_PREFIX = "kvcompose."
@@ -31,3 +35,10 @@ SPAN_PREFIX = "kvcompose."
 
 def span_name(operation: str) -> str:
     return SPAN_PREFIX + operation
+
+
+def qualified_name(error_type: type[BaseException]) -> str:
+    """``error.type`` of a failure: the class's qualified name (the message may quote request data)."""
+    if error_type.__module__ == "builtins":
+        return error_type.__qualname__
+    return f"{error_type.__module__}.{error_type.__qualname__}"

@@ -1,0 +1,161 @@
+"""The scheduler side's instrumentation: requests admitted and finished, and what each step's metadata carries.
+
+Its calls come per request (lookups, allocations, finishes) and per scheduler
+step, in no fixed number, so they are sampled call by call: the composite
+reads its calls through a :class:`ChosenCalls`, which counts each composite
+call of a timed operation down (:class:`~kvcompose.instrumentation.sampling.CallSampler`)
+and hands out the observed calls for the one it times. With tracing on, the
+calls of a traced operation are always the observed ones: each asks the tracer
+whether its request is sampled.
+
+Hooks (the composite calls them):
+
+- :meth:`admitted`: vLLM allocated a request's blocks. Its lookup round counts
+  the first time only: vLLM allocates again for a request it admitted before
+  (once an async load completes, when a preempted request resumes).
+- :meth:`request_finished`: the request's span ends, whatever the children
+  answered.
+- :meth:`metadata_built`: each step's metadata carries the new requests' saves
+  and the sampled requests to the workers, and asks them to flush their stats
+  when the step runs no forward pass. The scheduler's own stats are flushed
+  then too, and whenever no admitted request is left.
+- :meth:`worker_output`: the transfer summaries the workers send back for
+  traced requests.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvcompose.connectors.calls import Calls
+from kvcompose.instrumentation.base import Instrumentation
+from kvcompose.instrumentation.sampling import CallSampler
+from kvcompose.instrumentation.transfers import completion_mode, job_requests
+from kvcompose.operations import OPERATIONS, Operation, Side
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from kvcompose.config import Pipeline
+    from kvcompose.connectors.calls import ChildCalls
+    from kvcompose.connectors.children import ChildSpec
+    from kvcompose.connectors.ledger import SchedulerLedger
+    from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata
+
+
+class ChosenCalls:
+    """The scheduler's calls as the composite reads them: for a timed or traced operation, on every composite
+    call, the plain calls or the observed ones; for any other operation, the plain calls."""
+
+    def __init__(self, instrumentation: SchedulerInstrumentation) -> None:
+        self._chosen: dict[str, tuple[Calls, Calls]] = {}  # operation -> (plain, observed)
+        self._instrumentation = instrumentation
+
+    def update(self, operation: str, plain: Calls, observed: Calls) -> None:
+        if operation in _CHOSEN:
+            self._chosen[operation] = (plain, observed)
+        else:
+            setattr(self, operation, plain)
+
+    def _choose(self, operation: str) -> Calls:
+        plain, observed = self._chosen[operation]
+        instrumentation = self._instrumentation
+        state = instrumentation.states[operation]
+        sampler = instrumentation.samplers.get(operation)
+        state.weight = sampler.count() if sampler is not None else 0
+        state.sampled = instrumentation.next_sample() if state.weight else 0
+        if state.weight or operation in instrumentation.traced_operations:
+            return observed
+        return plain
+
+
+def _chosen_per_call(operation: str) -> property:
+    return property(lambda calls: calls._choose(operation), doc=f"The calls of {operation}, chosen per call.")
+
+
+# The scheduler's operations that may be timed or traced: ChosenCalls reads each through a property.
+_CHOSEN = frozenset(name for name, operation in OPERATIONS.items()
+                    if operation.forwarded and operation.side is Side.SCHEDULER and (operation.label or operation.traced))
+for _name in sorted(_CHOSEN):
+    setattr(ChosenCalls, _name, _chosen_per_call(_name))
+
+
+class SchedulerInstrumentation(Instrumentation):
+    """See the module docstring."""
+
+    def __init__(self, pipeline: Pipeline, specs: list[ChildSpec], ledger: SchedulerLedger) -> None:
+        super().__init__(pipeline, specs, "scheduler")
+        self._ledger = ledger
+        self.samplers = {name: CallSampler(pipeline.metrics.sample_every) for name in _CHOSEN
+                         if self.recorder.label(OPERATIONS[name]) is not None}
+        self.traced_operations = frozenset(name for name in _CHOSEN if self.traces(OPERATIONS[name]))
+        # Children whose transfers are jobs in their metadata (their requests join the step's trace).
+        self._job_children = [spec.index for spec in specs
+                              if self.tracer is not None and completion_mode(spec.connector_cls) == "jobs"]
+        self._admitted: set[str] = set()  # admitted requests not finished yet
+        self._flush_at_take = False
+
+    def calls_for(self, child_calls: ChildCalls) -> ChosenCalls:
+        chosen = ChosenCalls(self)
+        child_calls.add_view(chosen)
+        return chosen
+
+    # ---- hooks ----
+
+    def admitted(self, request: Request, num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks (update_state_after_alloc returned)."""
+        req_id = request.request_id
+        if req_id in self._admitted:
+            return
+        self._admitted.add(req_id)
+        looked_up = self._ledger.rounds.get(req_id)
+        if looked_up is None:
+            return
+        loading = self._ledger.planned_loader(req_id)
+        answers = looked_up[3]
+        self.recorder.request_admitted(answers, self._ledger.loaders, loading, num_external_tokens)
+        if self.tracer is not None and loading is not None:
+            self.tracer.request_loaded(req_id, self.specs[loading].name, num_external_tokens)
+
+    def request_finished(self, request: Request, saves_async: bool) -> None:
+        """vLLM finished the request (every child was told). Once no admitted request is left, the next stats
+        are flushed."""
+        if self.tracer is not None:
+            self.tracer.request_finished(request, saves_async=saves_async)
+        self._admitted.discard(request.request_id)
+
+    def metadata_built(self, scheduler_output: SchedulerOutput, metadata: KVComposeMetadata) -> None:
+        """Add what the workers need to track transfers and join traces, and whether they flush their stats."""
+        if new_requests := scheduler_output.scheduled_new_reqs:
+            metadata.saves = {new.req_id: len(new.block_ids[0]) if new.block_ids else 0 for new in new_requests}
+        if self.tracer is not None:
+            moving = job_requests(metadata.per_child[index] for index in self._job_children)
+            metadata.traced_requests = self.tracer.step_requests(scheduler_output, metadata.loads, moving)
+        if not scheduler_output.total_num_scheduled_tokens:  # no forward pass: idle, or waiting
+            metadata.flush_stats = self._flush_at_take = True
+
+    def worker_output(self, worker_metadata: KVComposeWorkerMetadata | None) -> None:
+        """What the workers' metadata of a step reports: the transfers of traced requests that ended."""
+        if self.tracer is not None and worker_metadata is not None and worker_metadata.summaries:
+            self.tracer.add_summaries(worker_metadata.summaries)
+
+    # ---- stats ----
+
+    def uncount(self, operation: Operation) -> None:
+        if (sampler := self.samplers.get(operation.name)) is not None:
+            sampler.uncount()
+
+    def flush_due(self) -> bool:
+        return self._flush_at_take or not self._admitted
+
+    def flush(self) -> None:
+        self._flush_at_take = False
+        for name, sampler in self.samplers.items():
+            self.credit_untimed(name, sampler.take_uncredited())
+
+    def sizes(self) -> dict[str, int]:
+        sizes = super().sizes()
+        if self._admitted:
+            sizes["admitted_requests"] = len(self._admitted)
+        return sizes
