@@ -32,6 +32,7 @@ from types import FrameType, FunctionType
 from typing import TYPE_CHECKING, Any
 
 from kvcompose.instrumentation.base import timed_call
+from kvcompose.log_throttle import LogThrottle
 from kvcompose.logs import get_logger
 
 if TYPE_CHECKING:
@@ -73,9 +74,9 @@ class _Running:
     watched: _Watched
     operation: Operation
     child: Child
+    timed: bool  # kvcompose times it itself
     first_seen: float
     last_seen: float
-    timed: bool  # kvcompose times it itself
     warned: bool = False
 
     @property
@@ -116,12 +117,13 @@ class Watchdog:
             self._watched.pop(id(composite), None)
 
     def _run(self) -> None:
-        tick = threading.Event()
+        tick, failures = threading.Event(), LogThrottle(lines=1, interval_s=3600)
         while not tick.wait(POLL_S):
             try:
                 self.look()
-            except Exception:  # the watchdog must never take the engine down
-                logger.exception("watchdog look failed")
+            except Exception as error:  # the watchdog must never take the engine down, nor flood its log
+                if failures.admit(type(error).__name__):
+                    logger.exception("watchdog look failed; it goes on looking")
 
     def look(self, now: float | None = None) -> None:
         """One look at every other thread's stack."""
@@ -178,7 +180,7 @@ class Watchdog:
             "child call is running long", pipeline=running.watched.pipeline, role=running.watched.role,
             connector=running.child.name, op=running.operation.label or running.operation.name,
             running_s=round(running.seconds, 2), watchdog_s=running.watched.watchdog_s,
-            stack=_child_stack(frame, running.frame),
+            child_stack=_child_stack(frame, running.frame),
         )
 
     def _returned(self, running: _Running) -> None:
