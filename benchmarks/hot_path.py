@@ -8,19 +8,22 @@ Subjects, all over no-op children (see ``benchmarks/connectors.py``):
   how far two identical subjects read apart in this row of this run, so a
   kvcompose ratio that close to 1.0 is within the run's noise;
 - ``kvc_bare``: KVComposeConnector, metrics and tracing off;
-- ``kvc_off``: KVComposeConnector as shipped: metrics on (one call in
+- ``kvc_off``: KVComposeConnector as shipped: metrics on (one call or step in
   ``metrics.sample_every`` timed, every call counted), tracing off;
 - ``kvc_request`` / ``kvc_step`` / ``kvc_layer``: metrics on, tracing at that
-  granularity. Spans are created and ended by the pipeline's own SDK tracer
-  provider with exporter ``none`` (no span processor), so the figures are the
-  cost of making spans; exporting is measured end to end.
+  granularity. Spans are recorded with exporter ``none``, so the figures are
+  the cost of making them; exporting is measured end to end.
 
 Worker-side calls run inside a bound step built by the scheduler-side composite
-from a real vLLM ``SchedulerOutput``: one sampled request in its first step,
-loaded by the first child. That step makes spans at every granularity (a load
-span, a save span per child, and with ``step`` or ``layer`` the step's spans),
-so it is the costliest step a request has (its load also has the transfer
-tracker mark the end of every layer's wait).
+from a real vLLM ``SchedulerOutput``, of two kinds:
+
+- a decode step (a request already running): what nearly every step is; its
+  calls are plain unless the step is one sampled for timing;
+- the first step of one sampled request, loaded by the first child
+  (``... moving KV``): a step that moves KV is observed call by call (each
+  call timed: engine wait, copy time), and makes spans at every granularity.
+  Its rows are reported, with no target: they are what a step that moves KV
+  pays per call, against copies that take milliseconds.
 
 Scheduler side, ``get_num_new_matched_tokens`` repeats the lookup of one open
 request (its request span is started by the first lookup, as vLLM asks again
@@ -46,11 +49,16 @@ KVCOMPOSE_SUBJECTS: dict[str, tuple[bool, str | None]] = {
 }
 SUBJECTS = ("direct", "multi", "multi_twin", *KVCOMPOSE_SUBJECTS)
 # operation -> (side, statement); ``c`` is the subject, ``request`` a real vLLM Request
+WORKER_CALLS = {
+    "start_load_kv": "c.start_load_kv(None)",
+    "wait_for_layer_load": "c.wait_for_layer_load('model.layers.0')",
+    "save_kv_layer": "c.save_kv_layer('model.layers.0', None, None)",
+    "wait_for_save": "c.wait_for_save()",
+}
+MOVING = ", moving KV"  # the rows of the step that moves KV
 OPERATIONS: dict[str, tuple[str, str]] = {
-    "start_load_kv": ("worker", "c.start_load_kv(None)"),
-    "wait_for_layer_load": ("worker", "c.wait_for_layer_load('model.layers.0')"),
-    "save_kv_layer": ("worker", "c.save_kv_layer('model.layers.0', None, None)"),
-    "wait_for_save": ("worker", "c.wait_for_save()"),
+    **{name: ("worker", statement) for name, statement in WORKER_CALLS.items()},
+    **{name + MOVING: ("worker_moving", statement) for name, statement in WORKER_CALLS.items()},
     "get_num_new_matched_tokens": ("scheduler", "c.get_num_new_matched_tokens(request, 0)"),
     "lookup+request_finished": (
         "scheduler", "c.get_num_new_matched_tokens(request, 0); c.request_finished(request, [])"
@@ -68,17 +76,29 @@ def _bind_first_step(scheduler: Any, worker: Any) -> None:
     worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=[request])))
 
 
+def _bind_decode_step(scheduler: Any, worker: Any) -> None:
+    """Bind a step that decodes an admitted request: it moves no KV (after the first step, which is timed)."""
+    from tests.connector_support import scheduler_output
+
+    for _ in range(2):
+        worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(cached=["bench-decode"])))
+        worker.clear_connector_metadata()
+    worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(cached=["bench-decode"])))
+
+
 def build_subjects(children: int) -> dict[str, dict[str, Any]]:
-    """side -> subject name -> connector, every kvcompose worker bound to the same kind of step."""
+    """side -> subject name -> connector, every kvcompose worker of a side bound to the same kind of step."""
     sides: dict[str, dict[str, Any]] = {}
-    for side in ("scheduler", "worker"):
-        multi, twin = multi_connector(children, side), multi_connector(children, side)
+    for side, role in (("scheduler", "scheduler"), ("worker", "worker"), ("worker_moving", "worker")):
+        multi, twin = multi_connector(children, role), multi_connector(children, role)
         sides[side] = {"direct": multi.sub_connectors[0], "multi": multi, "multi_twin": twin}
     for name, (metrics, tracing) in KVCOMPOSE_SUBJECTS.items():
         bench_pipeline = pipeline(children, metrics=metrics, tracing=tracing)
         scheduler = sides["scheduler"][name] = kvcompose_connector(bench_pipeline, "scheduler")
         worker = sides["worker"][name] = kvcompose_connector(bench_pipeline, "worker")
-        _bind_first_step(scheduler, worker)
+        _bind_decode_step(scheduler, worker)
+        moving = sides["worker_moving"][name] = kvcompose_connector(bench_pipeline, "worker")
+        _bind_first_step(kvcompose_connector(bench_pipeline, "scheduler"), moving)
     return sides
 
 

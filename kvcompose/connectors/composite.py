@@ -143,7 +143,9 @@ class KVComposeConnector(KVConnectorBase_V1):
         # Per operation, the calls its loop makes (on the worker, chosen again for each step).
         self._calls = (self._instrumentation.calls_for(self._child_calls) if self._instrumentation is not None
                        else self._child_calls.plain)
-        self._choose_loader = POLICIES[self.pipeline.load.policy]
+        # first_match, MultiConnector's rule, is decided as the loaders answer; another policy reads every answer.
+        policy = self.pipeline.load.policy
+        self._choose_loader = None if policy == "first_match" else POLICIES[policy]
         self._check_hma(vllm_config)
         hma_enabled = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
         shape = PipelineShape.of(self.pipeline.name, (c.spec for c in self.children), hma_enabled)
@@ -311,7 +313,7 @@ class KVComposeConnector(KVConnectorBase_V1):
                 wait()
             except Exception as error:
                 self._answer(_WAIT_FOR_SAVE, wait, error)
-        if self._instrumentation is not None:
+        if self._instrumentation is not None and self._instrumentation.step_saves:
             self._instrumentation.saves_waited(self._layer_saves)
 
     def finish_forward(self) -> None:
@@ -437,15 +439,18 @@ class KVComposeConnector(KVConnectorBase_V1):
         if request.kv_transfer_params:  # a remote prefill's: check the pair's pipelines match
             self._pairing.check(request.kv_transfer_params)
         answers = []
+        first = None  # position of the first answer with tokens
         for lookup in self._calls.get_num_new_matched_tokens:
             try:
                 answer = lookup(request, num_computed_tokens)
             except Exception as error:
                 answer = self._answer(_LOOKUP, lookup, error)
-            if answer[0] is None:
+            if (tokens := answer[0]) is None:
                 return None, False
+            if first is None and tokens > 0:
+                first = len(answers)
             answers.append(answer)
-        chosen = self._choose_loader(answers)
+        chosen = first if self._choose_loader is None else self._choose_loader(answers)
         matched = _NO_MATCH if chosen is None else answers[chosen]
         self._scheduler_ledger.rounds[request.request_id] = (chosen, matched, num_computed_tokens, answers)
         return matched

@@ -24,6 +24,7 @@ from time import time_ns
 from typing import TYPE_CHECKING, Any
 
 from kvcompose.connectors.isolation import CircuitOpen
+from kvcompose.instrumentation.transfers import StepWaits
 from kvcompose.metrics.recorder import PipelineRecorder
 from kvcompose.metrics.stats import CALLS_KEY, TELEMETRY_KEY, TRANSFERS_KEY
 from kvcompose.metrics.telemetry import TelemetryCounters
@@ -70,7 +71,8 @@ class Observation:
     operation: Operation
     state: CallState
     slot: int | None  # in the latency histogram; None: the operation is not timed
-    waits: bool  # its time is engine wait
+    waits: StepWaits | None  # where its time counts as engine wait; None: it does not
+    wait_slot: int  # its place in ``waits.seconds``
     tracer: PipelineTracer | None  # where its spans go; None: not traced
     template: int  # of its spans
 
@@ -79,18 +81,33 @@ def timed_call(
     observation: Observation, call: Callable[..., Any], parents: tuple[SpanContextIds, ...], request_id: str | None,
     args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> Any:
-    """Make ``call`` timed, in a span under each of ``parents`` (if any). The watchdog knows a call kvcompose
-    times by this function's frame on its stack."""
+    """Make ``call`` timed, recording what its state asks for: its latency (with the calls it stands for), its
+    engine wait, and a span under each of ``parents`` (if any). The watchdog knows a call kvcompose times by this
+    function's frame on its stack."""
     tracer = observation.tracer
     span = tracer.start_call(parents, request_id, observation.child_name) if parents and tracer else None
+    result = error = None
     start = time_ns()
     try:
         result = call(*args, **kwargs)
-    except Exception as error:
-        observation.instrumentation.call_ended(observation, span, start, time_ns(), args, None, error)
+        return result
+    except Exception as failure:
+        error = failure
         raise
-    observation.instrumentation.call_ended(observation, span, start, time_ns(), args, result, None)
-    return result
+    finally:
+        end = time_ns()
+        if not isinstance(error, CircuitOpen):  # a call the breaker skipped took none of the child's time
+            state, seconds = observation.state, (end - start) / 1e9
+            if observation.slot is not None and state.weight:
+                observation.instrumentation.recorder.timed(observation.slot, seconds, state.weight)
+                if state.sampled:
+                    observation.instrumentation.note_sampled(observation, seconds)
+            if (waits := observation.waits) is not None:
+                waits.seconds[observation.wait_slot] += seconds
+                if observation.operation.blocking == "load":
+                    waits.load_end_ns[observation.child] = end
+        if span is not None:
+            observation.instrumentation.span_ended(observation, span, start, end, args, result, error)
 
 
 class Instrumentation:
@@ -128,18 +145,19 @@ class Instrumentation:
         """The state the observed calls of ``operation`` read."""
         return self.states[operation.name]
 
-    def waits_on(self, operation: Operation) -> bool:
-        """Is the time of this operation's calls engine wait, to record (see :meth:`waited`)?"""
-        return False
+    def waits_on(self, operation: Operation) -> StepWaits | None:
+        """Where the time of this operation's calls counts as engine wait (None: it does not)."""
+        return None
 
     def observe(self, child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
         """``call``, timed whenever its state asks for it, and traced under its request or step."""
         label = self.recorder.label(operation)
         tracer = self.tracer if self.traces(operation) else None
+        wait_slot = StepWaits.slot(child.index, operation.blocking) if operation.blocking else -1
         observation = Observation(
             self, child.index, child.name, operation, self.state_of(operation),
             self.recorder.slot(child.index, label) if label is not None else None, self.waits_on(operation),
-            tracer, tracer.call_template(child.spec, operation) if tracer is not None else -1)
+            wait_slot, tracer, tracer.call_template(child.spec, operation) if tracer is not None else -1)
         state = observation.state
         about_request = tracer is not None and operation.granularity is Granularity.REQUEST
 
@@ -158,47 +176,37 @@ class Instrumentation:
 
         return observed
 
-    def call_ended(
-        self, observation: Observation, span: CallSpan | None, start_ns: int, end_ns: int, args: tuple[Any, ...],
+    def span_ended(
+        self, observation: Observation, span: CallSpan, start_ns: int, end_ns: int, args: tuple[Any, ...],
         result: Any, error: Exception | None,
     ) -> None:
-        """A timed call returned ``result`` or raised ``error``: record what its state asks for."""
-        operation, state, child = observation.operation, observation.state, observation.child
-        seconds = (end_ns - start_ns) / 1e9
-        made = not isinstance(error, CircuitOpen)  # a call the breaker skipped has no latency
-        if made and observation.slot is not None and state.weight:
-            self.recorder.timed(observation.slot, seconds, state.weight)
-            if state.sampled:
-                self._note_sampled(operation.name, state.sampled, child, seconds)
-        if made and observation.waits:
-            self.waited(child, operation, seconds, state.weight or 1, end_ns)
-        if span is not None:
-            assert self.tracer is not None
-            values = None
-            if error is None and operation.describe is not None:
-                try:
-                    values = operation.describe(args, result)
-                except Exception:  # a result of a shape the child should not return: described by nothing
-                    values = None
-            record = (error is not None or operation.always_traced or self.tracer.granularity != "request"
-                      or end_ns - start_ns > self.tracer.slow_call_ns)
-            self.tracer.end_call(span, observation.template, start_ns, end_ns, values,
-                                 None if error is None else qualified_name(type(error)), record)
-
-    def waited(self, child: int, operation: Operation, seconds: float, weight: int, end_ns: int) -> None:
-        """A blocking call of ``operation`` took ``seconds`` and stands for ``weight`` such calls (worker)."""
+        """A traced call ended: its span is recorded if it failed, is slow, or is always traced (see
+        :class:`~kvcompose.tracing.pipeline.PipelineTracer`)."""
+        tracer, operation = observation.tracer, observation.operation
+        assert tracer is not None
+        values = None
+        if error is None and operation.describe is not None:
+            try:
+                values = operation.describe(args, result)
+            except Exception:  # a result of a shape the child should not return: described by nothing
+                values = None
+        record = (error is not None or operation.always_traced or tracer.granularity != "request"
+                  or end_ns - start_ns > tracer.slow_call_ns)
+        tracer.end_call(span, observation.template, start_ns, end_ns, values,
+                        None if error is None else qualified_name(type(error)), record)
 
     def next_sample(self) -> int:
         """The number of a new sample (a sampled call, or step)."""
         self._samples += 1
         return self._samples
 
-    def _note_sampled(self, operation: str, sample: int, child: int, seconds: float) -> None:
-        sampled = self._sampled[operation]
-        if sampled.sample != sample:
-            sampled.sample, sampled.seconds, sampled.calls = sample, {}, {}
-        sampled.seconds[child] = seconds
-        sampled.calls[child] = sampled.calls.get(child, 0) + 1
+    def note_sampled(self, observation: Observation, seconds: float) -> None:
+        """A call of a sample took ``seconds``: what the calls not timed count at, at the next idle."""
+        sampled = self._sampled[observation.operation.name]
+        if sampled.sample != observation.state.sampled:
+            sampled.sample, sampled.seconds, sampled.calls = observation.state.sampled, {}, {}
+        sampled.seconds[observation.child] = seconds
+        sampled.calls[observation.child] = sampled.calls.get(observation.child, 0) + 1
 
     def credit_untimed(self, operation: str, samples: int) -> None:
         """The engine went idle: ``samples`` units not timed (calls, or worker steps) of ``operation`` count as

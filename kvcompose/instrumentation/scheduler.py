@@ -2,9 +2,9 @@
 
 Its calls come per request (lookups, allocations, finishes) and per scheduler
 step, in no fixed number, so they are sampled call by call: the composite
-reads its calls through a :class:`ChosenCalls`, which counts each composite
-call of a timed operation down (:class:`~kvcompose.instrumentation.sampling.CallSampler`)
-and hands out the observed calls for the one it times. With tracing on, the
+reads its calls through :class:`ChosenCalls`, where a timed operation's calls
+count each composite call down (:class:`~kvcompose.instrumentation.sampling.CallSampler`)
+and hand out the observed calls for the one it times. With tracing on, the
 calls of a traced operation are always the observed ones: each asks the tracer
 whether its request is sampled.
 
@@ -25,10 +25,11 @@ Hooks (the composite calls them):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from kvcompose.connectors.calls import Calls
-from kvcompose.instrumentation.base import Instrumentation
+from kvcompose.instrumentation.base import CallState, Instrumentation
 from kvcompose.instrumentation.sampling import CallSampler
 from kvcompose.instrumentation.transfers import completion_mode, job_requests
 from kvcompose.operations import OPERATIONS, Operation, Side
@@ -44,41 +45,55 @@ if TYPE_CHECKING:
     from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata
 
 
+class _ChosenPerCall:
+    """One scheduler operation's calls, chosen each time the composite reads them (once per composite call): the
+    observed calls for a call the sampler times or, tracing on, for a call about a request that may be traced;
+    else the plain calls."""
+
+    __slots__ = ("plain", "observed", "_state", "_sampler", "_traced", "_samples")
+
+    def __init__(self, state: CallState, sampler: CallSampler | None, traced: bool,
+                 samples: SchedulerInstrumentation) -> None:
+        self.plain: Calls = ()
+        self.observed: Calls = ()
+        self._state, self._sampler, self._traced, self._samples = state, sampler, traced, samples
+
+    def __iter__(self) -> Iterator[Callable[..., Any]]:
+        return iter(self._choose())
+
+    def __getitem__(self, index: int) -> Callable[..., Any]:
+        return self._choose()[index]
+
+    def _choose(self) -> Calls:
+        state = self._state
+        if self._sampler is not None and (weight := self._sampler.count()):
+            state.weight, state.sampled = weight, self._samples.next_sample()
+            return self.observed
+        state.weight = state.sampled = 0
+        return self.observed if self._traced else self.plain
+
+
 class ChosenCalls:
-    """The scheduler's calls as the composite reads them: for a timed or traced operation, on every composite
-    call, the plain calls or the observed ones; for any other operation, the plain calls."""
+    """The scheduler's calls as the composite reads them: a timed or traced operation's are chosen per composite
+    call (:class:`_ChosenPerCall`), any other operation's are its plain calls."""
 
     def __init__(self, instrumentation: SchedulerInstrumentation) -> None:
-        self._chosen: dict[str, tuple[Calls, Calls]] = {}  # operation -> (plain, observed)
-        self._instrumentation = instrumentation
+        for name in _CHOSEN:
+            operation = OPERATIONS[name]
+            setattr(self, name, _ChosenPerCall(instrumentation.state_of(operation), instrumentation.samplers.get(name),
+                                               instrumentation.traces(operation), instrumentation))
 
     def update(self, operation: str, plain: Calls, observed: Calls) -> None:
         if operation in _CHOSEN:
-            self._chosen[operation] = (plain, observed)
+            chosen = getattr(self, operation)
+            chosen.plain, chosen.observed = plain, observed
         else:
             setattr(self, operation, plain)
 
-    def _choose(self, operation: str) -> Calls:
-        plain, observed = self._chosen[operation]
-        instrumentation = self._instrumentation
-        state = instrumentation.states[operation]
-        sampler = instrumentation.samplers.get(operation)
-        state.weight = sampler.count() if sampler is not None else 0
-        state.sampled = instrumentation.next_sample() if state.weight else 0
-        if state.weight or operation in instrumentation.traced_operations:
-            return observed
-        return plain
 
-
-def _chosen_per_call(operation: str) -> property:
-    return property(lambda calls: calls._choose(operation), doc=f"The calls of {operation}, chosen per call.")
-
-
-# The scheduler's operations that may be timed or traced: ChosenCalls reads each through a property.
+# The scheduler's operations that may be timed or traced.
 _CHOSEN = frozenset(name for name, operation in OPERATIONS.items()
                     if operation.forwarded and operation.side is Side.SCHEDULER and (operation.label or operation.traced))
-for _name in sorted(_CHOSEN):
-    setattr(ChosenCalls, _name, _chosen_per_call(_name))
 
 
 class SchedulerInstrumentation(Instrumentation):
@@ -89,7 +104,6 @@ class SchedulerInstrumentation(Instrumentation):
         self._ledger = ledger
         self.samplers = {name: CallSampler(pipeline.metrics.sample_every) for name in _CHOSEN
                          if self.recorder.label(OPERATIONS[name]) is not None}
-        self.traced_operations = frozenset(name for name in _CHOSEN if self.traces(OPERATIONS[name]))
         # Children whose transfers are jobs in their metadata (their requests join the step's trace).
         self._job_children = [spec.index for spec in specs
                               if self.tracer is not None and completion_mode(spec.connector_cls) == "jobs"]

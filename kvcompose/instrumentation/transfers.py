@@ -70,6 +70,7 @@ Direction = Literal["load", "save"]
 Outcome = Literal["ok", "failed", "aborted"]
 Mode = Literal["sync", "finish", "jobs"]
 CopySource = Literal["child", "calls"]
+_DIRECTIONS: tuple[Direction, ...] = ("load", "save")
 EXPIRY_S = 600.0  # an open transfer older than this ends as aborted
 FAILED_TRANSFER = "kvcompose.transfer_failed"  # error.type of a failure the child reported without raising
 _EXPIRY_NS = int(EXPIRY_S * 1e9)
@@ -145,12 +146,32 @@ class Transfer:
 
 @dataclass(slots=True)
 class _Step:
-    """What the bound step moves synchronously, and the time its children spent in their blocking calls."""
+    """What the bound step moves synchronously."""
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
-    waited_s: dict[tuple[int, Direction], float] = field(default_factory=dict)  # (child, direction) -> seconds
-    load_end_ns: dict[int, int] = field(default_factory=dict)  # child -> when its last load wait returned
+
+
+class StepWaits:
+    """The time each child's blocking calls took in the bound step, by direction, and when its last load wait
+    returned (the end of its synchronous loads): told by the instrumentation's observed calls."""
+
+    __slots__ = ("seconds", "load_end_ns")
+
+    def __init__(self, children: int) -> None:
+        self.seconds = [0.0] * (children * len(_DIRECTIONS))  # at slot(child, direction)
+        self.load_end_ns = [0] * children  # 0: no load wait this step
+
+    @staticmethod
+    def slot(child: int, direction: Direction) -> int:
+        return child * len(_DIRECTIONS) + _DIRECTIONS.index(direction)
+
+    def of(self, child: int, direction: Direction) -> float:
+        return self.seconds[self.slot(child, direction)]
+
+    def clear(self) -> None:
+        self.seconds[:] = [0.0] * len(self.seconds)
+        self.load_end_ns[:] = [0] * len(self.load_end_ns)
 
 
 class TransferTracker:
@@ -168,6 +189,7 @@ class TransferTracker:
         self._recorder = recorder
         self._tracer = tracer
         self._step = _Step()
+        self.waits = StepWaits(len(specs))
         self._bound_at = 0  # when the step was bound (ns since the epoch): every transfer it issues starts then
         self._contexts: Mapping[str, SpanContextIds] = {}  # the bound step's traced requests, by request id
         self._failures_at_bind: list[int] = []
@@ -182,11 +204,12 @@ class TransferTracker:
 
     def begin_step(self, metadata: KVComposeMetadata, contexts: Mapping[str, SpanContextIds]) -> bool:
         """Open the transfers the step's metadata issues (``contexts``: its traced requests' spans); True if the
-        step moves KV or transfers are open (its blocking calls are then timed: see :meth:`waited`)."""
+        step moves KV or transfers are open (its blocking calls are then timed, into :attr:`waits`)."""
         self._failures_at_bind = [guard.failures for guard in self._guards]
         self._bound_at = time_ns()
         self._contexts = contexts
         step = self._step = _Step()
+        self.waits.clear()
         for req_id, plan in (metadata.loads or {}).items():
             if self._modes[plan.child] == "jobs":
                 continue  # its jobs say more, below
@@ -207,12 +230,10 @@ class TransferTracker:
                 self._start_jobs(child, child_metadata)
         return bool(step.loads or step.saves or self._open)
 
-    def waited(self, child: int, direction: Direction, seconds: float, end_ns: int) -> None:
-        """A blocking call of the bound step returned after ``seconds``."""
-        key = (child, direction)
-        self._step.waited_s[key] = self._step.waited_s.get(key, 0.0) + seconds
-        if direction == "load":
-            self._step.load_end_ns[child] = end_ns
+    @property
+    def saves_open(self) -> bool:
+        """True while the bound step has sync saves, which its ``wait_for_save`` completes."""
+        return bool(self._step.saves)
 
     def saves_waited(self, aborted: bool) -> None:
         """The step's ``wait_for_save`` returned: its sync saves are done (``aborted``: a load of the step failed
@@ -232,7 +253,7 @@ class TransferTracker:
         loads, self._step.loads = self._step.loads, []
         for transfer in loads:
             outcome: Outcome = "ok" if self._load_error_blocks.isdisjoint(transfer.block_ids) else "failed"
-            end = self._step.load_end_ns.get(transfer.child) or time_ns()
+            end = self.waits.load_end_ns[transfer.child] or time_ns()
             self._end(transfer, end, outcome, self._calls_copy(transfer, loads))
 
     def end_step(self) -> None:
@@ -246,10 +267,6 @@ class TransferTracker:
         self._summaries.clear()  # the step's worker metadata, which takes them, has been built
         if self._open:
             self._expire()
-
-    def waited_seconds(self) -> Mapping[tuple[int, Direction], float]:
-        """The bound step's time in each child's blocking calls, by (child, direction)."""
-        return self._step.waited_s
 
     # ---- completions reported by children ----
 
@@ -348,9 +365,7 @@ class TransferTracker:
     def _calls_copy(self, transfer: Transfer, of_step: Sequence[Transfer]) -> tuple[float, CopySource] | None:
         """A sync transfer's copy time: its child's blocking calls of the step in its direction, shared among the
         step's transfers of that child by their blocks."""
-        seconds = self._step.waited_s.get((transfer.child, transfer.direction))
-        if seconds is None:
-            return None
+        seconds = self.waits.of(transfer.child, transfer.direction)
         return seconds * _fraction(transfer, [t for t in of_step if t.child == transfer.child]), "calls"
 
     def _end(

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 from kvcompose.connectors.calls import Fanout
 from kvcompose.instrumentation.base import CallState, Instrumentation
 from kvcompose.instrumentation.sampling import CallSampler
-from kvcompose.instrumentation.transfers import TransferTracker, bytes_per_block, is_first_worker
+from kvcompose.instrumentation.transfers import StepWaits, TransferTracker, bytes_per_block, is_first_worker
 from kvcompose.metrics.recorder import DENSE_FROM_WORKERS
+from kvcompose.metrics.transfers import DIRECTIONS
 from kvcompose.operations import FAILED, Failed, Operation
 from kvcompose.tracing.pipeline import Summaries
 
@@ -68,6 +69,8 @@ class WorkerInstrumentation(Instrumentation):
         self._flush_at_take = False  # the next stats are flushed (a step without a forward pass)
         self._plain: Fanout | None = None
         self._observed: Fanout | None = None
+        # The bound step has sync saves: the composite tells its wait_for_save (read on every wait_for_save).
+        self.step_saves = False
 
     def calls_for(self, child_calls: ChildCalls) -> Fanout:
         self._plain, self._observed = child_calls.plain, child_calls.observed
@@ -76,8 +79,8 @@ class WorkerInstrumentation(Instrumentation):
     def state_of(self, operation: Operation) -> CallState:
         return self.step_state
 
-    def waits_on(self, operation: Operation) -> bool:
-        return operation.blocking is not None and self.tracker is not None
+    def waits_on(self, operation: Operation) -> StepWaits | None:
+        return self.tracker.waits if operation.blocking is not None and self.tracker is not None else None
 
     # ---- the step ----
 
@@ -88,6 +91,7 @@ class WorkerInstrumentation(Instrumentation):
         traced = self.tracer is not None and self.tracer.begin_step(metadata.traced_requests)
         contexts = self.tracer.step_contexts() if traced else {}  # type: ignore[union-attr]
         moves = self.tracker is not None and self.tracker.begin_step(metadata, contexts)
+        self.step_saves = moves and self.tracker.saves_open  # type: ignore[union-attr]
         state = self.step_state
         if traced or moves or metadata.flush_stats:  # a step without a forward pass makes fewer calls
             state.weight, state.sampled = 1, 0
@@ -100,7 +104,14 @@ class WorkerInstrumentation(Instrumentation):
 
     def step_cleared(self) -> Fanout:
         """The step's metadata was cleared: returns the calls made until the next step."""
+        self.step_saves = False
         if self.tracker is not None:
+            if weight := self.step_state.weight:  # an observed step: its blocking calls' time is engine wait
+                waits = self.tracker.waits
+                for spec in self.specs:
+                    for direction in DIRECTIONS:
+                        if seconds := waits.of(spec.index, direction):
+                            self.transfer_recorder.waited(spec.index, direction, seconds * weight)
             self.tracker.end_step()
         if self.tracer is not None:
             self.tracer.end_step()
@@ -109,16 +120,12 @@ class WorkerInstrumentation(Instrumentation):
         assert self._plain is not None
         return self._plain
 
-    def waited(self, child: int, operation: Operation, seconds: float, weight: int, end_ns: int) -> None:
-        assert self.tracker is not None and operation.blocking is not None
-        self.transfer_recorder.waited(child, operation.blocking, seconds * weight)
-        self.tracker.waited(child, operation.blocking, seconds, end_ns)
-
     def saves_waited(self, layer_saves: bool) -> None:
-        """The step's ``wait_for_save`` returned; ``layer_saves``: false when a load of the step failed and the
-        composite stopped the layer saves (the step's sync saves are then aborted)."""
-        if self.tracker is not None:
-            self.tracker.saves_waited(aborted=not layer_saves)
+        """The step's ``wait_for_save`` returned, in a step with sync saves (:attr:`step_saves`); ``layer_saves``:
+        false when a load of the step failed and the composite stopped the layer saves (they are then aborted)."""
+        self.step_saves = False
+        assert self.tracker is not None
+        self.tracker.saves_waited(aborted=not layer_saves)
 
     # ---- what the children report ----
 
