@@ -15,6 +15,7 @@ import torch
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
+from kvcompose.operations import OPERATIONS
 from kvcompose.testing import recording
 from kvcompose.testing.steps import forward_step
 from kvcompose.tracing import attributes as attr
@@ -263,3 +264,47 @@ def test_each_kind_of_child_is_tracked_by_how_it_reports_completion() -> None:
     # NixlConnector resolves to a subclass of another name (NixlPullConnector on vLLM 0.32).
     assert (mode("NixlConnector"), mode("OffloadingConnector"), mode("ExampleConnector")) == (
         "finish", "jobs", "sync")
+
+
+def test_engine_wait_and_copy_time_are_the_time_inside_the_childs_blocking_calls(vllm_config_with: Callable,
+                                                                                exporter: Any) -> None:
+    """A synchronous disk child that takes time to load and save, timed by itself: kvcompose's engine wait is the
+    time inside its blocking calls, and so is each transfer's copy time, not the forward pass between them (which
+    the lifetime of a layer-wise save holds)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    kv_cache, _ = _kv_cache()
+    copies = {"start_load_kv": 0.02, "wait_for_layer_load": 0.002, "save_kv_layer": 0.004, "wait_for_save": 0.003}
+    recording.TIMINGS.pop("transfers/disk", None)
+    scheduler, worker = _pair(vllm_config_with, {"disk": {"sleep_s": copies, "matches": {"r1": [[32, False]]}}},
+                              kv_cache)
+    request = make_request("r1", TRACEPARENT)
+    _admit(scheduler, request)
+    worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=[request], blocks=[1, 2, 3])))
+    worker.start_load_kv(None)
+    forward_s = 0.03
+    for layer in range(2):
+        worker.wait_for_layer_load(f"model.layers.{layer}")
+        time.sleep(forward_s / 2)  # the layer's forward pass
+        worker.save_kv_layer(f"model.layers.{layer}", None, None)
+    worker.wait_for_save()
+    worker.get_transfer_results(set())
+    worker.get_block_ids_with_load_errors()
+    scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker.build_connector_worker_meta()))
+    worker.clear_connector_metadata()
+    table = worker.get_kv_connector_stats().transfers
+
+    timed = recording.TIMINGS["transfers/disk"]
+    inside = {direction: sum(seconds for method, seconds in timed if OPERATIONS[method].blocking == direction)
+              for direction in ("load", "save")}
+    assert [method for method, _ in timed].count("save_kv_layer") == 2
+    for direction in ("load", "save"):  # kvcompose's clock reads sit just outside the child's
+        assert inside[direction] <= table.engine_wait("disk", direction) <= inside[direction] + 0.002
+    spans = {span.attributes[attr.TRANSFER_DIRECTION]: span for span in _transfers(exporter)}
+    for direction in ("load", "save"):
+        copy_s = spans[direction].attributes[attr.TRANSFER_COPY_SECONDS]
+        assert copy_s == pytest.approx(table.engine_wait("disk", direction), abs=1e-6)  # the step's only transfer
+        assert spans[direction].attributes[attr.TRANSFER_COPY_SOURCE] == "calls"
+    save = spans["save"]
+    assert (save.end_time - save.start_time) / 1e9 > copies["start_load_kv"] + forward_s  # bound to wait_for_save
+    assert table.copy_seconds("disk", "save") == (1, pytest.approx(inside["save"], abs=0.002))

@@ -24,12 +24,15 @@ Its ``kv_connector_extra_config`` holds ``log`` (the key of its call log in
   :class:`Gate` at ``GATES[key]`` is opened (to hold a call while another thread calls)
 - ``sleep_mode``: what the class's ``supports_sleep_mode`` answers for this config (default True)
 - ``label``: logged with the sleep-mode calls, to tell apart children that share a log
+- ``sleep_s``: ``{method: seconds}``: a call of ``method`` sleeps that long, as a copy would take, and appends
+  the time it took, measured inside the child, to :data:`TIMINGS` under its log key
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,6 +80,8 @@ class Gate:
 
 # key -> gate, for the script's ``gates``
 GATES: dict[str, Gate] = {}
+# log key -> [(method, seconds)] of the calls the script's ``sleep_s`` made sleep, timed by the child itself
+TIMINGS: defaultdict[str, list[tuple[str, float]]] = defaultdict(list)
 
 
 @dataclass
@@ -107,6 +112,7 @@ class RecordingConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.log = CALL_LOGS[extra["log"]]
+        self.timings = TIMINGS[extra["log"]]
         self.script: dict[str, Any] = extra.get("script", {})
         self._lookups: defaultdict[str, int] = defaultdict(int)
         self._results_calls = 0
@@ -116,6 +122,10 @@ class RecordingConnector(KVConnectorBase_V1):
         self.log.append(entry)
         if (gate := self.script.get("gates", {}).get(entry[0])) is not None:
             GATES[gate].pass_through()
+        if (seconds := self.script.get("sleep_s", {}).get(entry[0])) is not None:
+            start = time.perf_counter()
+            time.sleep(seconds)
+            self.timings.append((entry[0], time.perf_counter() - start))
         if entry[0] in self.script.get("raises", ()):
             raise ScriptedFailure(f"scripted failure in {entry[0]}")
 
