@@ -163,3 +163,20 @@ def test_a_block_that_fails_again_in_a_later_step_counts_again(vllm_config_with:
         steps.append(worker.get_kv_connector_stats())
         worker.clear_connector_metadata()
     assert KVComposeStats().aggregate(steps[0]).aggregate(steps[1]).calls.load_error_blocks("hot") == 2
+
+
+@pytest.mark.parametrize(("policy", "forgone"), [("first_match", {"cold": {"forgone_tokens": 32}}),
+                                                  ("longest_match", {})])
+def test_tokens_a_later_loader_had_beyond_the_chosen_ones_are_forgone(
+    vllm_config_with: Callable, policy: str, forgone: dict[str, dict[str, int]],
+) -> None:
+    pipeline = _pipeline({"hot": {"matches": {"r1": [[32, False]]}}, "cold": {"matches": {"r1": [[64, False]]}}})
+    scheduler, _ = composite_pair(vllm_config_with, {**pipeline, "load": {"policy": policy}})
+    request = make_request("r1")
+    tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, make_blocks(1, 2, 3, 4), tokens)
+    counters = _lookup_counters(scheduler)
+    assert {child: {name: count for name, count in counts.items() if name == "forgone_tokens"}
+            for child, counts in counters.items() if "forgone_tokens" in counts} == forgone
+    forgone_tokens = sum(counts.get("forgone_tokens", 0) for counts in counters.values())
+    assert tokens + forgone_tokens == 64  # what longest_match loads

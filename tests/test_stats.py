@@ -256,7 +256,7 @@ def test_recorder_counts_calls_errors_and_results_then_resets() -> None:
     table = recorder.take()
     assert table is not None
     assert {name: table.counter("hot", name) for name in COUNTERS} == {
-        "lookup_hits": 1, "lookup_misses": 1, "matched_tokens": 32, "loaded_tokens": 32}
+        "lookup_hits": 1, "lookup_misses": 1, "matched_tokens": 32, "loaded_tokens": 32, "forgone_tokens": 0}
     assert not any(table.counter("cold", name) for name in COUNTERS)  # cold was not asked
     assert (table.load_error_blocks("hot"), table.load_error_blocks("cold")) == (2, 5)
     assert table.errors == {"cold": {"save_kv_layer": {"Failing": 1}}}

@@ -45,6 +45,7 @@ _COUNTER_SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "lookup_misses": ("lookups", ("miss",)),
     "matched_tokens": ("matched_tokens", ()),
     "loaded_tokens": ("loaded_tokens", ()),
+    "forgone_tokens": ("forgone_tokens", ()),
 }
 
 
@@ -98,6 +99,12 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
         )
         self.loaded_tokens = self._counter_cls(
             "kvcompose_loaded_tokens_total", "Tokens each child was chosen to load.", labelnames=names
+        )
+        self.forgone_tokens = self._counter_cls(
+            "kvcompose_tokens_forgone_total",
+            "Tokens a child held beyond those the load policy loaded (from another child, or none): what "
+            "longest_match would have loaded more.",
+            labelnames=names,
         )
         self.load_error_blocks = self._counter_cls(
             "kvcompose_load_error_blocks_total",

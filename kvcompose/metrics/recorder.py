@@ -17,7 +17,8 @@ instrumentation:
   a request it admitted before (once an async load completes, when a preempted
   request resumes): the instrumentation tells only the first. A loader whose
   lookup failed is counted neither way;
-- tokens loaded, at that first admission, for the child chosen to load (if it accepted);
+- tokens loaded, at that first admission, for the child chosen to load (if it accepted), and the tokens a
+  loader had beyond them (forgone by the load policy);
 - blocks that failed to load, as block ids per scheduler step (see
   :class:`~kvcompose.metrics.table.CallTable`), so merging the workers' stats
   takes the union vLLM takes;
@@ -47,8 +48,8 @@ DENSE_FROM_WORKERS = 8
 MAX_PENDING_CALLS = 1 << 16
 
 _NO_COUNTS = [0] * len(COUNTERS)
-_HITS, _MISSES, _MATCHED, _LOADED = (COUNTERS.index(name) for name in (
-    "lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens"))
+_HITS, _MISSES, _MATCHED, _LOADED, _FORGONE = (COUNTERS.index(name) for name in (
+    "lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens", "forgone_tokens"))
 
 
 class PipelineRecorder:
@@ -96,9 +97,13 @@ class PipelineRecorder:
         self, answers: Sequence[tuple[int, bool]], loaders: Sequence[int], loading: int | None, external_tokens: int,
     ) -> None:
         """vLLM first allocated a request's blocks: count its last lookup round (``answers``, one per loader, whose
-        child indices ``loaders`` lists), and the tokens the child at index ``loading`` (None: no child) loads."""
+        child indices ``loaders`` lists), and the tokens the child at index ``loading`` (None: no child) loads.
+        Where a loader had more tokens than the one chosen (``first_match`` chose an earlier, shorter one), the
+        difference is counted as tokens forgone, for the loader that had the most: what ``longest_match`` would
+        have loaded beyond the configured policy."""
         if not self.enabled:
             return
+        longest, most = None, external_tokens if loading is not None else 0
         with self._lock:
             for child, answer in zip(loaders, answers, strict=False):
                 if answer is FAILED_LOOKUP:
@@ -109,8 +114,12 @@ class PipelineRecorder:
                     counts[_MATCHED] += answer[0]
                 else:
                     counts[_MISSES] += 1
+                if answer[0] > most:
+                    longest, most = child, answer[0]
             if loading is not None:
                 self._counts[loading][_LOADED] += external_tokens
+            if longest is not None:
+                self._counts[longest][_FORGONE] += most - (external_tokens if loading is not None else 0)
             self._counted = True
 
     def count_load_errors(self, child_name: str, step: int, block_ids: Collection[int]) -> None:

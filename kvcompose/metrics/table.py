@@ -36,7 +36,7 @@ from kvcompose.operations import TIMED_LABELS
 
 # The operations recorded, as Prometheus' ``op`` label names them (see kvcompose.operations).
 OPS: tuple[str, ...] = TIMED_LABELS
-COUNTERS: tuple[str, ...] = ("lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens")
+COUNTERS: tuple[str, ...] = ("lookup_hits", "lookup_misses", "matched_tokens", "loaded_tokens", "forgone_tokens")
 
 # A merge that would leave more cells than this adds dense arrays instead.
 SPARSE_MERGE_LIMIT = 256
