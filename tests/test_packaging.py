@@ -1,0 +1,57 @@
+"""Installing from the checkout: the wheel holds the starters and entry points, and the checkout stays clean."""
+
+from __future__ import annotations
+
+import configparser
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STARTERS = {f"kvcompose/starters/{kind}.yaml" for kind in ("offload", "disk", "pd")}
+
+
+def build_litter() -> set[Path]:
+    """What setuptools builds left in a checkout: build/ and *.egg-info."""
+    return {*REPO.glob("build"), *REPO.glob("*.egg-info"), *REPO.glob("kvcompose/*.egg-info")}
+
+
+def pip(*args: str) -> subprocess.CompletedProcess[str]:
+    # No build isolation: the venv has hatchling, and nothing is downloaded.
+    return subprocess.run([sys.executable, "-m", "pip", *args, "--no-deps", "--no-build-isolation", "--quiet"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def test_the_wheel_holds_the_starters_and_entry_points_and_leaves_no_build_litter(tmp_path: Path) -> None:
+    litter = build_litter()
+    built = pip("wheel", "--wheel-dir", str(tmp_path), str(REPO))
+    assert built.returncode == 0, built.stderr
+    assert "warning" not in built.stderr.lower(), built.stderr
+    (wheel,) = tmp_path.glob("kvcompose-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        entry_points = configparser.ConfigParser()
+        entry_points.read_string(archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt")))
+                                 .decode())
+    assert STARTERS <= names
+    assert not [name for name in names if name.startswith(("tests/", "examples/", "benchmarks/"))]
+    assert dict(entry_points["console_scripts"]) == {"kvcompose": "kvcompose.cli:main"}
+    assert dict(entry_points["vllm.general_plugins"]) == {"kvcompose": "kvcompose.plugin:register"}
+    assert build_litter() == litter
+
+
+def test_an_install_from_the_checkout_writes_starters_from_its_own_copy(tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    installed = pip("install", "--target", str(target), str(REPO))
+    assert installed.returncode == 0, installed.stderr
+    # The install's copy comes first on the path, before the checkout the venv's .pth names.
+    result = subprocess.run([sys.executable, "-m", "kvcompose", "init", "--disk", "-"], capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (target / "kvcompose" / "starters" / "disk.yaml").read_text()
+    where = subprocess.run([sys.executable, "-c", "import kvcompose.starters as s; print(s.__file__)"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": str(target)})
+    assert Path(where.stdout.strip()).is_relative_to(target), where.stdout
