@@ -1,4 +1,4 @@
-"""Installing from the checkout: the wheel holds the starters and entry points, and the checkout stays clean."""
+"""Building and installing from the checkout: what the wheel and sdist hold, no warnings, no litter in the tree."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import configparser
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -24,13 +25,19 @@ def pip(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
-def test_the_wheel_holds_the_starters_and_entry_points_and_leaves_no_build_litter(tmp_path: Path) -> None:
+def build(target: str, directory: Path) -> Path:
+    """Build ``target`` (wheel, sdist) with the project's backend, which must say nothing but what it built."""
     litter = build_litter()
-    built = pip("wheel", "--wheel-dir", str(tmp_path), str(REPO))
-    assert built.returncode == 0, built.stderr
-    assert "warning" not in built.stderr.lower(), built.stderr
-    (wheel,) = tmp_path.glob("kvcompose-*.whl")
-    with zipfile.ZipFile(wheel) as archive:
+    result = subprocess.run([sys.executable, "-m", "hatchling", "build", "-t", target, "-d", str(directory)],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    (built,) = directory.iterdir()
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", f"{built}\n")  # no warning
+    assert build_litter() == litter
+    return built
+
+
+def test_the_wheel_holds_the_starters_and_entry_points(tmp_path: Path) -> None:
+    with zipfile.ZipFile(build("wheel", tmp_path)) as archive:
         names = set(archive.namelist())
         entry_points = configparser.ConfigParser()
         entry_points.read_string(archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt")))
@@ -39,7 +46,13 @@ def test_the_wheel_holds_the_starters_and_entry_points_and_leaves_no_build_litte
     assert not [name for name in names if name.startswith(("tests/", "examples/", "benchmarks/"))]
     assert dict(entry_points["console_scripts"]) == {"kvcompose": "kvcompose.cli:main"}
     assert dict(entry_points["vllm.general_plugins"]) == {"kvcompose": "kvcompose.plugin:register"}
-    assert build_litter() == litter
+
+
+def test_the_sdist_holds_the_examples_and_docs(tmp_path: Path) -> None:
+    with tarfile.open(build("sdist", tmp_path)) as archive:
+        names = {name.partition("/")[2] for name in archive.getnames()}
+    assert {"examples/pipeline.yaml", "examples/offload/pipeline.yaml", "README.md", "pyproject.toml"} <= names
+    assert STARTERS <= names and any(name.startswith("docs/") for name in names)
 
 
 def test_an_install_from_the_checkout_writes_starters_from_its_own_copy(tmp_path: Path) -> None:
