@@ -110,12 +110,13 @@ def test_schema_validates_every_example_pipeline() -> None:
         jsonschema.validate({**enabled, "tracing": {"enabled": "yes please"}}, schema)
 
 
-def test_cli_does_not_import_vllm() -> None:
-    code = ("import sys, runpy; sys.argv = ['kvcompose', 'validate', %r]\n"
+@pytest.mark.parametrize("command", ["validate", "render"])
+def test_cli_does_not_import_vllm(command: str) -> None:
+    code = ("import sys, runpy; sys.argv = ['kvcompose', %r, %r]\n"
             "try:\n    runpy.run_module('kvcompose', run_name='__main__')\n"
             "except SystemExit as e:\n    assert e.code == 0, e.code\n"
             "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm was imported'\n"
-            "assert 'torch' not in sys.modules\n") % str(REPO / "examples" / "pipeline.yaml")
+            "assert 'torch' not in sys.modules\n") % (command, str(REPO / "examples" / "offload" / "pipeline.yaml"))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
