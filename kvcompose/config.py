@@ -126,6 +126,10 @@ class TracingSection(_Section):
         "and OTEL_TRACES_SAMPLER_ARG decide, else every request is traced.",
     )
     granularity: Literal["request", "step", "layer"] = "request"
+    shutdown_flush_s: Annotated[float, Field(gt=0.0, le=60.0)] = Field(
+        2.0, description="At shutdown, spans still waiting are exported for at most this long (the exporter "
+        "process outlives an engine that is killed), then counted as lost and logged.",
+    )
 
 
 class MetricsSection(_Section):

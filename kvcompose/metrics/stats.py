@@ -9,7 +9,7 @@ It crosses processes as plain data (``to_dict``)::
      "transfers": <TransferTable.to_dict()> | None,
      "native": {child: {"class": "module:Class", "stats": <the child's own stats dict>}},
      "breakers": {child: {"state": 0 closed | 1 open | 2 half-open, "opens": count}},
-     "telemetry": {"spans_dropped": count, "spans_queued": count | None} | None}
+     "telemetry": {"dropped": {reason: count}, "spans_queued": count | None, "exporter_restarts": count} | None}
 
 Its size is bounded by children x (operations + directions) x buckets, whatever the traffic.
 """
