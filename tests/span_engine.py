@@ -54,3 +54,10 @@ def exporter_pids(engine_pid: int) -> list[int]:
         if EXPORT_MODULE in command and command[command.index(EXPORT_MODULE) + 1] == str(engine_pid):
             found.append(process.pid)
     return found
+
+
+def server_exporter_pids(server_pid: int) -> list[int]:
+    """The exporter processes of a server's engine processes."""
+    import psutil
+
+    return [pid for process in psutil.Process(server_pid).children(recursive=True) for pid in exporter_pids(process.pid)]

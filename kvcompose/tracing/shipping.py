@@ -357,7 +357,7 @@ class ProcessShipper(_OutboxesShipped):
             self._deaths_not_logged += 1
             return
         self._death_logged_at, held_back, self._deaths_not_logged = now, self._deaths_not_logged, 0
-        log.error("span_exporter_died", pid=pid, lived_s=round(lived_s, 1), spans_lost=lost,
+        log.error("span_exporter_died", pid=pid, engine_pid=os.getpid(), lived_s=round(lived_s, 1), spans_lost=lost,
                   restart_in_s=restart_in_s, **({"deaths_not_logged": held_back} if held_back else {}))
 
     # ---- the engine's stats and live view ----
