@@ -20,6 +20,7 @@ from typing import Any
 
 from benchmarks.connectors import kvcompose_connector, multi_connector, pipeline
 from benchmarks.stopwatch import exporter_cpu_s
+from kvcompose.config import TracingSection
 from tests.connector_support import make_blocks, make_request, scheduler_output
 
 SUBJECTS = ("multi", "kvc_off", "kvc_traced")
@@ -43,6 +44,9 @@ class Collector:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         assert self._process.stdin is not None and self._process.stdout is not None
+        # A traced subject shut down lets its exporter process flush for up to tracing.shutdown_flush_s without
+        # waiting for it: the collector stays up that long.
+        time.sleep(TracingSection().shutdown_flush_s)
         self._process.stdin.close()
         self.exports, self.bytes = (int(value) for value in self._process.stdout.readline().split())
         self._process.wait(5)

@@ -1,8 +1,9 @@
-"""The ``kvcompose`` command line: validate, render and describe pipelines.
+"""The ``kvcompose`` command line: start, check, render and serve pipelines, and watch them run.
 
-Nothing here imports vLLM (about 13 s to import), so every command answers
-in well under a second. Bad input exits with status 2 and one line per
-problem on stderr, never a traceback.
+Only ``serve`` imports vLLM (about 13 s to import), and only once the
+pipeline has passed its checks, so every other command answers in well under
+a second. Bad input exits with status 2 and one line per problem on stderr,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -12,36 +13,36 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 from kvcompose import __version__
+from kvcompose.checks import check_pipeline
+from kvcompose.command_line import EXIT_USAGE, CommandParser
 from kvcompose.config import load_pipeline
 from kvcompose.deploy import add_commands as add_deploy_commands
 from kvcompose.errors import PipelineConfigError
-from kvcompose.render import file_reference, inline_reference, kv_transfer_config
+from kvcompose.render import kv_transfer_config
 from kvcompose.schema import pipeline_json_schema
-from kvcompose.source import read_pipeline_source
+from kvcompose.serve import add_command as add_serve_command
+from kvcompose.starters import add_command as add_init_command
+from kvcompose.top import add_command as add_top_command
 
-EXIT_USAGE = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+FILE_HELP = "the pipeline file (YAML or JSON); - reads standard input"
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvcompose", description="Compose vLLM KV-cache connectors, observably.")
+    parser = CommandParser(prog="kvcompose", description="Compose vLLM KV-cache connectors, observably.")
     parser.add_argument("--version", action="version", version=f"kvcompose {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
+    add_init_command(commands)
     validate = commands.add_parser("validate", help="check a pipeline file; exit 2 on any problem")
-    validate.add_argument("file", type=Path)
+    validate.add_argument("file", type=Path, help=FILE_HELP)
     validate.set_defaults(run=_validate)
 
     render = commands.add_parser("render", help="print the JSON for `vllm serve --kv-transfer-config`")
-    render.add_argument("file", type=Path)
-    render.add_argument("--inline", action="store_true", help="embed the pipeline instead of its path")
+    render.add_argument("file", type=Path, help=FILE_HELP)
+    render.add_argument("--inline", action="store_true",
+                        help="embed the pipeline instead of its path (always, for a pipeline from standard input)")
     render.set_defaults(run=_render)
 
     schema = commands.add_parser("schema", help="print the JSON Schema of pipeline files")
@@ -53,22 +54,26 @@ def _build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--provisioning", type=Path, metavar="DIR",
                            help="also write Grafana provisioning files (datasource, dashboard provider) under DIR")
     dashboard.set_defaults(run=_dashboard)
+    add_serve_command(commands)
+    add_top_command(commands)
     add_deploy_commands(commands)
     return parser
 
 
 def _validate(args: argparse.Namespace) -> None:
-    pipeline = load_pipeline(args.file)
+    checked = check_pipeline(args.file)
+    checked.print_warnings()
+    pipeline = checked.pipeline
+    count = len(pipeline.children)
     names = ", ".join(child.name for child in pipeline.children)
-    print(f"ok: pipeline {pipeline.name!r}, {len(pipeline.children)} children ({names}), "
+    print(f"ok: pipeline {pipeline.name!r}, {count} {'child' if count == 1 else 'children'} ({names}), "
           f"load policy {pipeline.load.policy}")
 
 
 def _render(args: argparse.Namespace) -> None:
-    document = read_pipeline_source(args.file)
-    pipeline = load_pipeline(document)
-    ref = inline_reference(document) if args.inline else file_reference(args.file)
-    print(json.dumps(kv_transfer_config(pipeline, ref), separators=(",", ":")))
+    checked = check_pipeline(args.file)
+    checked.print_warnings()
+    print(json.dumps(kv_transfer_config(checked.pipeline, checked.reference(args.inline)), separators=(",", ":")))
 
 
 def _schema(args: argparse.Namespace) -> None:

@@ -130,6 +130,10 @@ class TracingSection(_Section):
         1.0, description="At request granularity, a call other than the lookup makes a span only if it failed or "
         "took longer than this (milliseconds). step and layer granularity trace every call.",
     )
+    shutdown_flush_s: Annotated[float, Field(gt=0.0, le=60.0)] = Field(
+        2.0, description="At shutdown, spans still waiting are exported for at most this long (the exporter "
+        "process outlives an engine that is killed), then counted as lost and logged.",
+    )
 
 
 class MetricsSection(_Section):

@@ -19,8 +19,8 @@ from pathlib import Path
 import yaml
 
 from kvcompose.alerts import RUNBOOK_URL_BASE, AlertSettingError, rule_groups
+from kvcompose.command_line import EXIT_USAGE, CommandParser
 
-EXIT_USAGE = 2
 ALERTS_FILE = "deploy/prometheus/alerts.yaml"
 PROMETHEUS_RULE_FILE = "deploy/kubernetes/prometheusrule.yaml"
 KUSTOMIZATION_DIR = "deploy/kubernetes"
@@ -136,10 +136,8 @@ def _fail(message: str) -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from kvcompose.cli import _Parser  # the CLI's exit-2-on-misuse parser; imported late, the CLI imports this
-
-    parser = _Parser(prog="python -m kvcompose.deploy", description=__doc__.splitlines()[0])
-    add_commands(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
+    parser = CommandParser(prog="python -m kvcompose.deploy", description=__doc__.splitlines()[0])
+    add_commands(parser.add_subparsers(dest="command", required=True, parser_class=CommandParser))
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -33,21 +33,27 @@ def format_path(path: FieldPath) -> str:
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with a pipeline: where it is and what to do about it."""
+    """One thing wrong with a pipeline: where it is and what to do about it.
+
+    A ``warning`` is something that may be wrong, which the checking
+    environment cannot tell (an out-of-tree module where vLLM is not installed).
+    """
 
     path: FieldPath
     message: str
     line: int | None = None
+    warning: bool = False
 
     def describe(self, source: str | None = None) -> str:
-        """One line: ``source:line: field.path: message``."""
+        """One line: ``source:line: field.path: message`` (``warning: message`` for a warning)."""
         prefix = source or ""
         if self.line is not None:
             prefix = f"{prefix}:{self.line}" if prefix else f"line {self.line}"
         parts = [prefix] if prefix else []
         if self.path:
             parts.append(format_path(self.path))
-        return " ".join(": ".join([*parts, self.message]).splitlines())
+        message = f"warning: {self.message}" if self.warning else self.message
+        return " ".join(": ".join([*parts, message]).splitlines())
 
 
 class PipelineConfigError(Exception):

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import yaml
 from yaml.constructor import ConstructorError, SafeConstructor
@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover - depends on how PyYAML was built
 MAX_FILE_BYTES = 1024 * 1024
 MAX_NODES = 20_000
 MAX_DEPTH = 64
+STDIN_LABEL = "<stdin>"  # how problems in a pipeline read from standard input name their source
 # How libyaml names its own nesting limit (1000 levels, in the libyaml of the PyYAML 6.0.4 wheels).
 _LIBYAML_TOO_DEEP = "exceeded maximum nesting depth"
 
@@ -87,7 +88,15 @@ class PipelineDocument:
 def read_pipeline_source(path: Path) -> PipelineDocument:
     """Parse ``path`` (YAML; JSON is read the same way) into a :class:`PipelineDocument`."""
     label = str(path)
-    text = _read_text(path, label)
+    return _parse(_read_text(path, label), label)
+
+
+def read_pipeline_stream(stream: BinaryIO, label: str = STDIN_LABEL) -> PipelineDocument:
+    """Parse a pipeline read from ``stream`` (standard input), under the same bounds as a file."""
+    return _parse(_decode(stream.read(MAX_FILE_BYTES + 1) or b"", label), label)
+
+
+def _parse(text: str, label: str) -> PipelineDocument:
     if control := yaml.reader.Reader.NON_PRINTABLE.search(text):  # such as NUL
         message = f"malformed YAML/JSON: character #x{ord(control.group()):04x} is not allowed in YAML"
         raise PipelineConfigError([Problem((), message, text.count("\n", 0, control.start()) + 1)], label)
@@ -149,6 +158,10 @@ def _read_text(path: Path, label: str) -> str:
         raise PipelineConfigError([Problem((), f"cannot read file: {error.strerror}")], label) from None
     except ValueError:  # a NUL in the path
         raise PipelineConfigError([Problem((), "cannot read file: the path holds a NUL character")], label) from None
+    return _decode(raw, label)
+
+
+def _decode(raw: bytes, label: str) -> str:
     if len(raw) > MAX_FILE_BYTES:
         message = f"file is larger than {MAX_FILE_BYTES // 2**20} MiB ({MAX_FILE_BYTES} bytes), the most read"
         raise PipelineConfigError([Problem((), message)], label)

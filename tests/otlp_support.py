@@ -20,6 +20,9 @@ class ReceivedSpan:
     attributes: dict[str, Any]
     status_code: int
     duration_ns: int = 0
+    status_message: str = ""
+    links: tuple[tuple[str, str], ...] = ()  # (trace id, span id)
+    events: tuple[tuple[str, int, tuple[tuple[str, Any], ...]], ...] = ()  # (name, time ns, attributes)
 
 
 def _value(any_value: Any) -> Any:
@@ -53,6 +56,11 @@ class OtlpReceiver:
                         span_id=span.span_id.hex(), parent_span_id=span.parent_span_id.hex(),
                         attributes={a.key: _value(a.value) for a in span.attributes}, status_code=span.status.code,
                         duration_ns=span.end_time_unix_nano - span.start_time_unix_nano,
+                        status_message=span.status.message,
+                        links=tuple((link.trace_id.hex(), link.span_id.hex()) for link in span.links),
+                        events=tuple((event.name, event.time_unix_nano,
+                                      tuple((a.key, _value(a.value)) for a in event.attributes))
+                                     for event in span.events),
                     ))
         with self.lock:
             self.spans.extend(decoded)

@@ -71,11 +71,20 @@ def start_server(model: Path, kv_transfer_config: str, log: Path, env: dict[str,
     for options the module form ignores (``--api-server-count``)."""
     port = free_port()
     command = [
-        sys.executable, "-m", module, "--model", str(model),
-        "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "512",
-        "--dtype", "float32", "--no-enable-prefix-caching", "--kv-transfer-config", kv_transfer_config,
-        *(extra_args or []),
+        sys.executable, "-m", module, "--model", str(model), *server_options(port),
+        "--kv-transfer-config", kv_transfer_config, *(extra_args or []),
     ]
+    return launch(command, port, model, log, env)
+
+
+def server_options(port: int) -> list[str]:
+    """The options every test server runs with: loopback, the tiny model's settings, no GPU prefix cache."""
+    return ["--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "512",
+            "--dtype", "float32", "--no-enable-prefix-caching"]
+
+
+def launch(command: list[str], port: int, model: Path, log: Path, env: dict[str, str] | None = None) -> Server:
+    """Run ``command``, an OpenAI server of ``model`` on ``port``, and wait for its /health."""
     with log.open("wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                    env={**os.environ, **ENGINE_ENV, **(env or {})})

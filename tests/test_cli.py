@@ -110,12 +110,13 @@ def test_schema_validates_every_example_pipeline() -> None:
         jsonschema.validate({**enabled, "tracing": {"enabled": "yes please"}}, schema)
 
 
-def test_cli_does_not_import_vllm() -> None:
-    code = ("import sys, runpy; sys.argv = ['kvcompose', 'validate', %r]\n"
+@pytest.mark.parametrize("command", ["validate", "render"])
+def test_cli_does_not_import_vllm(command: str) -> None:
+    code = ("import sys, runpy; sys.argv = ['kvcompose', %r, %r]\n"
             "try:\n    runpy.run_module('kvcompose', run_name='__main__')\n"
             "except SystemExit as e:\n    assert e.code == 0, e.code\n"
             "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm was imported'\n"
-            "assert 'torch' not in sys.modules\n") % str(REPO / "examples" / "pipeline.yaml")
+            "assert 'torch' not in sys.modules\n") % (command, str(REPO / "examples" / "offload" / "pipeline.yaml"))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
@@ -197,3 +198,27 @@ def test_version() -> None:
     result = kvcompose("--version")
     assert (result.returncode, result.stdout, result.stderr) == (0, f"kvcompose {__version__}\n", "")
     assert __version__ == importlib.metadata.version("kvcompose")  # the package and its metadata agree
+
+
+def kvcompose_with_input(text: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvcompose", *args], input=text, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_validate_and_render_read_standard_input() -> None:
+    text = (REPO / "examples" / "pipeline.yaml").read_text()
+    result = kvcompose_with_input(text, "validate", "-")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.startswith("ok: pipeline 'hot-then-cold', 2 children (hot, cold)")
+    rendered = kvcompose_with_input(text, "render", "-")  # no file for the engine to read: inline
+    assert rendered.returncode == 0, rendered.stderr
+    assert json.loads(rendered.stdout)["kv_connector_extra_config"]["pipeline"]["name"] == "hot-then-cold"
+    refused = kvcompose_with_input(VALID_HEAD + "      v: !!int abc\n", "validate", "-")
+    assert_refused(refused, "<stdin>", [":7: children[0].config.v: 'abc' is not an integer"])
+
+
+def test_validate_counts_one_child_in_the_singular(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(VALID_HEAD + "      shared_storage_path: /tmp/kv\n")
+    result = kvcompose("validate", str(path))
+    assert result.stdout == "ok: pipeline 'x', 1 child (a), load policy first_match\n", result.stderr

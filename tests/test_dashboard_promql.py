@@ -319,7 +319,7 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
             transfers.waited(index, direction, 0.001)
         transfers.started(index, "load")
     breakers = {child: {"state": 2, "opens": 1} for child in specs}
-    telemetry = {"spans_dropped": 3, "spans_queued": 40}  # the exporter dropped spans
+    telemetry = {"dropped": {"queue_full": 3}, "spans_queued": 40, "exporter_restarts": 0}  # the exporter dropped spans
     prom.observe({"calls": recorder.take().to_dict(), "transfers": transfers.take().to_dict(), "breakers": breakers,
                   "native": native, "telemetry": telemetry}, 0)
     return list(text_string_to_metric_families(generate_latest(registry).decode()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ def test_the_exporter_process_exports_records_as_spans_with_their_ids() -> None:
         sent = _records(shipper, 3, trace_id)
         shipper.ship(sent)
         shipper.close()  # end of input: it flushes, then exits
+        wait_until(lambda: len(receiver.received()) == 3, timeout_s=5)
         received = receiver.received()
     finally:
         receiver.stop()
@@ -60,6 +62,7 @@ def test_a_shipper_closed_and_used_again_ships_its_templates_to_the_new_exporter
         shipper.close()
         shipper.ship(_records(shipper, 3, second))
         shipper.close()
+        wait_until(lambda: len(receiver.received()) == 5, timeout_s=10)
         received = receiver.received()
     finally:
         receiver.stop()
@@ -75,7 +78,8 @@ def test_a_sleeping_exporter_is_woken_by_a_ship() -> None:
     shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
     try:
         shipper.ship(_records(shipper, 2, IDS.trace_id()))
-        ring = shipper._ring  # the counters both processes share
+        assert shipper._exporter is not None
+        ring = shipper._exporter.ring  # the counters both processes share
         assert ring is not None
         for _ in range(3):  # each time: it took everything and fell asleep; a ship wakes it
             wait_until(lambda: ring.counter(SLEEPING) == 1 and not ring.unread())
@@ -94,8 +98,8 @@ def _exporter_that_just_read() -> Iterator[tuple[ProcessShipper, Ring]]:
     shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
     try:
         shipper.ship(_records(shipper, 2, IDS.trace_id()))
-        ring = shipper._ring
-        assert ring is not None
+        assert shipper._exporter is not None
+        ring = shipper._exporter.ring
         wait_until(lambda: not ring.unread())
         yield shipper, ring
     finally:
@@ -144,9 +148,10 @@ def test_a_collector_outage_drops_and_counts_with_bounded_memory() -> None:
 
         def counted() -> bool:
             nonlocal dropped
-            gained, queued = shipper.telemetry()
-            dropped += gained
-            return dropped >= 20_000 - 4096 and queued <= 4096
+            if (report := shipper.telemetry()) is None:
+                return False
+            dropped += report.spans_dropped
+            return dropped >= 20_000 - 4096 and (report.spans_queued or 0) <= 4096
 
         wait_until(counted, poll_s=0.05)
     finally:
@@ -179,8 +184,8 @@ def test_sampling_follows_the_caller_and_the_ratio_on_trace_ids() -> None:
 def test_the_ring_keeps_frames_in_order_across_its_end_and_refuses_what_does_not_fit(tmp_path: Any) -> None:
     from kvcompose.tracing.ring import Ring
 
-    writer = Ring.create(str(tmp_path), data_bytes=256)
-    reader = Ring.attach(writer.path)
+    writer = Ring.create(data_bytes=256)
+    reader = Ring.attach(os.dup(writer.fd))
     sent = []
     for round_index in range(20):  # 20 x ~100 bytes through 256: wraps many times
         frame = [round_index, "x" * 80]

@@ -18,6 +18,7 @@ from kvcompose.config import DEFAULT_LATENCY_BUCKETS
 from kvcompose.metrics import recorder as recorder_module
 from kvcompose.metrics.recorder import PipelineRecorder
 from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
+from kvcompose.metrics.telemetry import DROP_REASONS
 from kvcompose.metrics.summary import quantile
 from kvcompose.metrics import table as table_module
 from kvcompose.metrics.table import COUNTERS, OPS, CallTable
@@ -76,8 +77,10 @@ payloads = st.fixed_dictionaries({
     "breakers": st.dictionaries(st.sampled_from(CHILDREN), st.fixed_dictionaries(
         {"state": st.integers(0, 2), "opens": st.integers(0, 3)}), max_size=2),
     TRANSFERS_KEY: st.none() | _transfer_dicts(),
-    TELEMETRY_KEY: st.none() | st.builds(lambda dropped, queued: {"spans_dropped": dropped, "spans_queued": queued},
-                                         st.integers(0, 100), st.none() | st.integers(0, 4096)),
+    TELEMETRY_KEY: st.none() | st.builds(
+        lambda dropped, queued, restarts: {"dropped": dropped, "spans_queued": queued, "exporter_restarts": restarts},
+        st.dictionaries(st.sampled_from(DROP_REASONS), st.integers(1, 100), max_size=2),
+        st.none() | st.integers(0, 4096), st.integers(0, 3)),
 })
 
 

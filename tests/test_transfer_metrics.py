@@ -22,7 +22,7 @@ from hypothesis import given, settings
 
 from kvcompose.config import DEFAULT_TRANSFER_BUCKETS
 from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
-from kvcompose.metrics.telemetry import TelemetryCounters
+from kvcompose.metrics.telemetry import DROP_REASONS, TelemetryCounters
 from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferRecorder, TransferTable
 
 from .prometheus_support import api, wait
@@ -147,18 +147,22 @@ def test_empty_reduce_and_reset_account_for_transfers_and_telemetry() -> None:
     assert not in_flight_only.is_empty() and in_flight_only.reduce() == {}
     recorder.ended(0, "load", 0.004, None, 4096, "failed", None)
     recorder.ended(0, "load", 0.002, None, 4096, "ok", None)
-    stats = KVComposeStats(data={TRANSFERS_KEY: recorder.take(), TELEMETRY_KEY: TelemetryCounters(2, 9)})
+    stats = KVComposeStats(data={TRANSFERS_KEY: recorder.take(),
+                                 TELEMETRY_KEY: TelemetryCounters({"queue_full": 2}, 9)})
     assert stats.reduce() == {"hot.load.transfers": 2, "hot.load.mean_ms": 3.0, "hot.load.bytes": 8192,
                               "hot.load.failed": 1, "spans_dropped": 2, "spans_queued": 9}
     stats.reset()
     assert stats.is_empty() and stats.to_dict()[TRANSFERS_KEY] is None and stats.to_dict()[TELEMETRY_KEY] is None
 
 
-def test_telemetry_adds_drops_and_keeps_the_fullest_queue() -> None:
-    total = TelemetryCounters(3, None)
-    for report in (TelemetryCounters(1, 40), TelemetryCounters(0, 7), TelemetryCounters(2, None)):
+def test_telemetry_adds_drops_by_reason_and_restarts_and_keeps_the_fullest_queue() -> None:
+    total = TelemetryCounters({"queue_full": 3}, None)
+    for report in (TelemetryCounters({"queue_full": 1, "exporter_down": 5}, 40, 1), TelemetryCounters({}, 7),
+                   TelemetryCounters({"shutdown": 2}, None, 1)):
         total.add(report)
-    assert (total.spans_dropped, total.spans_queued) == (6, 40)
+    assert (total.dropped, total.spans_queued, total.exporter_restarts) == (
+        {"queue_full": 4, "exporter_down": 5, "shutdown": 2}, 40, 2)
+    assert total.spans_dropped == 11
 
 
 def test_tables_of_different_pipelines_or_versions_are_refused() -> None:
@@ -241,8 +245,10 @@ def test_series_exist_at_zero_from_start_up(vllm_config_with: Callable) -> None:
             assert samples[("kvcompose_transfers_in_flight", lane)].value == 0
             for outcome in FAILURES:
                 assert samples[("kvcompose_transfers_failed_total", _lane(child, direction, outcome=outcome))].value == 0
-    assert samples[("kvcompose_spans_dropped_total", ())].value == 0
+    for reason in DROP_REASONS:
+        assert samples[("kvcompose_spans_dropped_total", (("reason", reason),))].value == 0
     assert samples[("kvcompose_spans_queued", ())].value == 0
+    assert samples[("kvcompose_exporter_restarts_total", ())].value == 0
 
 
 def test_stats_reach_every_series_exactly(vllm_config_with: Callable) -> None:
@@ -261,9 +267,11 @@ def test_stats_reach_every_series_exactly(vllm_config_with: Callable) -> None:
     recorder.started(1, "save")
     recorder.started(1, "save")
     recorder.ended(1, "save", 2.0, 0.5, 1 << 20, "ok", TRACE_C)
-    prom.observe({TRANSFERS_KEY: recorder.take().to_dict(), TELEMETRY_KEY: {"spans_dropped": 5, "spans_queued": 12}})
+    prom.observe({TRANSFERS_KEY: recorder.take().to_dict(), TELEMETRY_KEY: {
+        "dropped": {"queue_full": 5}, "spans_queued": 12, "exporter_restarts": 1}})
     recorder.ended(1, "save", 0.00001, None, 10, "failed", None)  # the next step: the rest of the save ends
-    prom.observe({TRANSFERS_KEY: recorder.take().to_dict(), TELEMETRY_KEY: {"spans_dropped": 1, "spans_queued": None}})
+    prom.observe({TRANSFERS_KEY: recorder.take().to_dict(), TELEMETRY_KEY: {
+        "dropped": {"queue_full": 1, "exporter_down": 3}, "spans_queued": None, "exporter_restarts": 0}})
 
     samples = _samples(registry)
     hot_load, cold_save = _lane("hot", "load"), _lane("cold", "save")
@@ -290,7 +298,9 @@ def test_stats_reach_every_series_exactly(vllm_config_with: Callable) -> None:
     assert samples[("kvcompose_transfers_in_flight", cold_save)].value == 0  # +2 -1, then -1
     assert samples[("kvcompose_transfers_failed_total", _lane("hot", "load", outcome="aborted"))].value == 1
     assert samples[("kvcompose_transfers_failed_total", _lane("cold", "save", outcome="failed"))].value == 1
-    assert samples[("kvcompose_spans_dropped_total", ())].value == 6
+    assert samples[("kvcompose_spans_dropped_total", (("reason", "queue_full"),))].value == 6
+    assert samples[("kvcompose_spans_dropped_total", (("reason", "exporter_down"),))].value == 3
+    assert samples[("kvcompose_exporter_restarts_total", ())].value == 1
     assert samples[("kvcompose_spans_queued", ())].value == 12  # not reported the second time: unchanged
 
 

@@ -63,19 +63,21 @@ def test_a_lookup_running_past_watchdog_s_is_logged_reported_and_recorded_when_i
     scheduler._instrumentation.samplers["get_num_new_matched_tokens"].count()  # the next lookup is not timed
     watchdog, reports = Watchdog(), []
     watchdog.watch(scheduler, "watched", "scheduler", scheduler._child_calls, scheduler._instrumentation,
-                   watchdog_s=1.0, on_stuck=reports.append)
+                   watchdog_s=1.0, on_running=reports.append)
     thread = _held(lambda: scheduler.get_num_new_matched_tokens(make_request("r1"), 0), "lookup")
 
     watchdog.look(now=100.0)  # first seen: running for half a look, at most
-    watchdog.look(now=100.5)
-    assert reports == [] and not [line for line in logged() if "running long" in line["event"]]
+    assert reports == []
+    watchdog.look(now=100.5)  # seen twice: running, not stuck yet
+    assert reports == [{("hot", "lookup"): (pytest.approx(0.5 + POLL_S / 2), False)}]
+    assert not [line for line in logged() if "running long" in line["event"]]
     watchdog.look(now=101.0)  # 1.0 s apart, so past 1 s (it started within the look before it was first seen)
     (warning,) = [line for line in logged() if line["event"] == "child call is running long"]
     assert (warning["level"], warning["connector"], warning["op"], warning["pipeline"]) == (
         "warning", "hot", "lookup", "watched")
     assert warning["running_s"] == pytest.approx(1.0 + POLL_S / 2, abs=0.01)
     assert any("recording.py" in frame and "pass_through" in frame for frame in warning["child_stack"])
-    assert reports == [{("hot", "lookup"): pytest.approx(1.0 + POLL_S / 2)}]
+    assert reports[-1] == {("hot", "lookup"): (pytest.approx(1.0 + POLL_S / 2), True)}
 
     recording.GATES["lookup"].open()
     thread.join(10)
@@ -121,7 +123,7 @@ def test_the_watchdog_sees_nothing_in_a_composite_between_calls(vllm_config_with
     scheduler, _ = _pair(vllm_config_with, "get_num_new_matched_tokens", "idle")
     watchdog, reports = Watchdog(), []
     watchdog.watch(scheduler, "watched", "scheduler", scheduler._child_calls, None, watchdog_s=0.0,
-                   on_stuck=reports.append)
+                   on_running=reports.append)
     for now in (1.0, 2.0, 3.0):
         watchdog.look(now=now)
     assert reports == []

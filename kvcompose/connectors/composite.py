@@ -161,7 +161,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         )
         if self.pipeline.watchdog_s is not None:
             watchdog().watch(self, self.pipeline.name, role.name.lower(), self._child_calls, self._instrumentation,
-                             self.pipeline.watchdog_s)
+                             self.pipeline.watchdog_s,
+                             self._instrumentation.calls_running if self._instrumentation is not None else None)
 
     def _guard_changed(self, guard: ChildGuard, state_changed: bool) -> None:
         self._child_calls.rebuild(self.children[self._guards.index(guard)])

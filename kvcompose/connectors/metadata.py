@@ -38,8 +38,10 @@ class KVComposeMetadata(KVConnectorMetadata):
     # The step's sampled requests, so worker-side spans join their traces.
     traced_requests: tuple[TracedRequest, ...] | None = None
     # The step runs no forward pass (the engine is about to go idle, or waits): the workers credit every
-    # operation's untimed calls in this step's stats (see kvcompose.metrics.recorder).
+    # operation's untimed calls in this step's stats (see kvcompose.instrumentation.sampling).
     flush_stats: bool = False
+    # Prompt tokens the step prefills: the workers measure the engine's prefill cost per token by them.
+    prefill_tokens: int = 0
 
 
 @dataclass

@@ -21,6 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvcompose.instrumentation.base import engine_id_of
+from kvcompose.instrumentation.economics import StreamSampler
+from kvcompose.instrumentation.transfers import bytes_per_block
 from kvcompose.instrumentation.scheduler import SchedulerInstrumentation
 from kvcompose.instrumentation.worker import WorkerInstrumentation
 
@@ -46,4 +49,17 @@ def instrument(
         return None
     if worker:
         return WorkerInstrumentation(pipeline, specs, guards, vllm_config, kv_cache_config)
-    return SchedulerInstrumentation(pipeline, specs, ledger)
+    return SchedulerInstrumentation(pipeline, specs, ledger, engine_id_of(vllm_config),
+                                    stream_sampler(specs, ledger.loaders, vllm_config, kv_cache_config))
+
+
+def stream_sampler(
+    specs: list[ChildSpec], loaders: tuple[int, ...], vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+) -> StreamSampler | None:
+    """The scheduler's sampler of the prefix-block stream; None where the GPU cache's size is unknown (a composite
+    made outside an engine)."""
+    gpu_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else vllm_config.cache_config.num_gpu_blocks
+    if not gpu_blocks:
+        return None
+    block_bytes = bytes_per_block(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size)
+    return StreamSampler(specs, loaders, gpu_blocks, block_bytes)

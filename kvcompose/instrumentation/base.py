@@ -27,14 +27,18 @@ from kvcompose.connectors.isolation import CircuitOpen
 from kvcompose.instrumentation.transfers import StepWaits
 from kvcompose.metrics.recorder import PipelineRecorder
 from kvcompose.metrics.stats import CALLS_KEY, TELEMETRY_KEY, TRANSFERS_KEY
-from kvcompose.metrics.telemetry import TelemetryCounters
+from kvcompose.live import board
+from kvcompose.metrics.telemetry import LIVE_RUNNING_CALLS
 from kvcompose.metrics.transfers import TransferRecorder
 from kvcompose.operations import CHILD_OPERATIONS, OPERATIONS, Granularity, Operation
 from kvcompose.tracing.attributes import qualified_name
 from kvcompose.tracing.pipeline import CallSpan, PipelineTracer, SpanContextIds, pipeline_tracer
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
     from kvcompose.config import Pipeline
+    from kvcompose.instrumentation.watchdog import RunningCalls
     from kvcompose.connectors.calls import ChildCalls
     from kvcompose.connectors.children import Child, ChildSpec
 
@@ -110,10 +114,18 @@ def timed_call(
             observation.instrumentation.span_ended(observation, span, start, end, args, result, error)
 
 
+def engine_id_of(vllm_config: VllmConfig) -> str:
+    """The id the engine's processes publish their live values under (see kvcompose.live)."""
+    transfer_config = vllm_config.kv_transfer_config
+    return transfer_config.engine_id if transfer_config is not None and transfer_config.engine_id else "engine"
+
+
 class Instrumentation:
     """The metrics and spans of one composite, and the hooks its role's composite calls."""
 
-    def __init__(self, pipeline: Pipeline, specs: list[ChildSpec], role: str, ship_dense: bool = False) -> None:
+    def __init__(
+        self, pipeline: Pipeline, specs: list[ChildSpec], role: str, engine_id: str, ship_dense: bool = False,
+    ) -> None:
         metrics = pipeline.metrics
         self.pipeline = pipeline
         self.specs = specs
@@ -121,13 +133,13 @@ class Instrumentation:
         self.recorder = PipelineRecorder(metrics.enabled, metrics.latency_buckets, names, per_layer=metrics.per_layer,
                                          ship_dense=ship_dense)
         self.transfer_recorder = TransferRecorder(metrics.enabled, names, metrics.transfer_buckets)
-        self.tracer: PipelineTracer | None = pipeline_tracer(pipeline, role)
+        self.role, self.engine_id = role, engine_id
+        self.tracer: PipelineTracer | None = pipeline_tracer(pipeline, role, engine_id)
         self.states = {name: CallState() for name in CHILD_OPERATIONS}
         self._sampled = {name: _Sampled() for name in CHILD_OPERATIONS}
         self._slow_calls: list[tuple[int, Operation, float]] = []  # from the watchdog: (child, operation, seconds)
         self._samples = 0  # samples taken so far (see CallState.sampled)
         self._reports_span_telemetry = metrics.enabled and self.tracer is not None
-        self._reported_queued = 0
         self._telemetry_due = 0  # monotonic ns when the exporter's counters are read next
 
     # ---- the composite's calls into its children ----
@@ -237,6 +249,13 @@ class Instrumentation:
     def child_stats(self, child: int, stats: Any) -> None:
         """A child's own stats, taken with the composite's (the worker reads NIXL's transfer telemetry)."""
 
+    def calls_running(self, running: RunningCalls) -> None:
+        """The watchdog's report of this composite's calls into children running long (it reads them while the
+        engine's thread is stuck in one): published on the engine's live board for the front-end's gauges."""
+        board(self.engine_id).set(f"{LIVE_RUNNING_CALLS}.{self.role}",
+                                  [[child, op, round(seconds, 3), stuck] for (child, op), (seconds, stuck)
+                                   in running.items()])
+
     # ---- failures ----
 
     def failed(self, child_name: str, operation: Operation, error: Exception) -> None:
@@ -248,6 +267,10 @@ class Instrumentation:
             self.tracer.breaker_changed(child_name, state)
 
     # ---- stats, state, shutdown ----
+
+    def reports(self) -> dict[str, Any]:
+        """The role's own reports for this take of the stats, by stats key (tier economics)."""
+        return {}
 
     def flush_due(self) -> bool:
         """Whether this take of the stats credits the calls not timed (the engine goes idle)."""
@@ -267,20 +290,13 @@ class Instrumentation:
             tables[CALLS_KEY] = calls
         if (transfers := self.transfer_recorder.take()) is not None:
             tables[TRANSFERS_KEY] = transfers
+        tables.update(self.reports())
         if self._reports_span_telemetry and (now := time_ns()) >= self._telemetry_due:
             self._telemetry_due = now + int(TELEMETRY_EVERY_S * 1e9)
-            if (telemetry := self._span_telemetry()) is not None:
+            assert self.tracer is not None
+            if (telemetry := self.tracer.telemetry()) is not None:
                 tables[TELEMETRY_KEY] = telemetry
         return tables or None
-
-    def _span_telemetry(self) -> TelemetryCounters | None:
-        """Spans this process dropped since the last report, and those waiting for export when that changed."""
-        assert self.tracer is not None
-        dropped, queued = self.tracer.telemetry()
-        if not dropped and queued == self._reported_queued:
-            return None
-        self._reported_queued = queued
-        return TelemetryCounters(dropped, queued)
 
     def sizes(self) -> dict[str, int]:
         """Sizes of the per-request state kept here that is not empty."""

@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvcompose.connectors.calls import Calls
 from kvcompose.instrumentation.base import CallState, Instrumentation
+from kvcompose.instrumentation.economics import StreamSampler
 from kvcompose.instrumentation.sampling import CallSampler
 from kvcompose.instrumentation.transfers import completion_mode, job_requests
+from kvcompose.metrics.stats import ECONOMICS_KEY
 from kvcompose.operations import OPERATIONS, Operation, Side
 
 if TYPE_CHECKING:
@@ -99,9 +101,13 @@ _CHOSEN = frozenset(name for name, operation in OPERATIONS.items()
 class SchedulerInstrumentation(Instrumentation):
     """See the module docstring."""
 
-    def __init__(self, pipeline: Pipeline, specs: list[ChildSpec], ledger: SchedulerLedger) -> None:
-        super().__init__(pipeline, specs, "scheduler")
+    def __init__(
+        self, pipeline: Pipeline, specs: list[ChildSpec], ledger: SchedulerLedger, engine_id: str,
+        stream: StreamSampler | None,
+    ) -> None:
+        super().__init__(pipeline, specs, "scheduler", engine_id)
         self._ledger = ledger
+        self._stream = stream if self.recorder.enabled else None  # the prefix-block stream, for tier economics
         self.samplers = {name: CallSampler(pipeline.metrics.sample_every) for name in _CHOSEN
                          if self.recorder.label(OPERATIONS[name]) is not None}
         # Children whose transfers are jobs in their metadata (their requests join the step's trace).
@@ -123,6 +129,8 @@ class SchedulerInstrumentation(Instrumentation):
         if req_id in self._admitted:
             return
         self._admitted.add(req_id)
+        if self._stream is not None:
+            self._stream.admitted(request)
         looked_up = self._ledger.rounds.get(req_id)
         if looked_up is None:
             return
@@ -148,6 +156,9 @@ class SchedulerInstrumentation(Instrumentation):
             metadata.traced_requests = self.tracer.step_requests(scheduler_output, metadata.loads, moving)
         if not scheduler_output.total_num_scheduled_tokens:  # no forward pass: idle, or waiting
             metadata.flush_stats = self._flush_at_take = True
+        # A request scheduled more than one token prefills them (decodes schedule one each).
+        metadata.prefill_tokens = sum(tokens for tokens in scheduler_output.num_scheduled_tokens.values()
+                                      if tokens > 1)
 
     def worker_output(self, worker_metadata: KVComposeWorkerMetadata | None) -> None:
         """What the workers' metadata of a step reports: the transfers of traced requests that ended."""
@@ -159,6 +170,11 @@ class SchedulerInstrumentation(Instrumentation):
     def uncount(self, operation: Operation) -> None:
         if (sampler := self.samplers.get(operation.name)) is not None:
             sampler.uncount()
+
+    def reports(self) -> dict[str, Any]:
+        if self._stream is not None and (report := self._stream.report()) is not None:
+            return {ECONOMICS_KEY: report}
+        return {}
 
     def flush_due(self) -> bool:
         return self._flush_at_take or not self._admitted

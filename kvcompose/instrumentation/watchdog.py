@@ -48,8 +48,9 @@ STACK_FRAMES = 20  # of the child's stack, logged with a stuck call (the innermo
 THREAD_NAME = "kvcompose-watchdog"
 _TIMED_CALL = timed_call.__code__
 
-# Told whenever the stuck calls of a composite change: (child name, operation label or name) -> seconds running.
-StuckCalls = dict[tuple[str, str], float]
+# A composite's calls into children seen running at consecutive looks: (child name, operation label or name) ->
+# (seconds running, whether past watchdog_s: stuck).
+RunningCalls = dict[tuple[str, str], tuple[float, bool]]
 
 
 @dataclass
@@ -62,7 +63,7 @@ class _Watched:
     calls: ChildCalls
     instrumentation: Instrumentation | None
     watchdog_s: float
-    on_stuck: Callable[[StuckCalls], None] | None
+    on_running: Callable[[RunningCalls], None] | None
 
 
 @dataclass
@@ -84,6 +85,11 @@ class _Running:
         """How long it has run: it started within a look before it was first seen."""
         return self.last_seen - self.first_seen + POLL_S / 2
 
+    @property
+    def long(self) -> bool:
+        """Seen at two looks or more: it has run at least a look's interval."""
+        return self.last_seen > self.first_seen
+
 
 class Watchdog:
     """This process's watchdog; see the module docstring."""
@@ -97,16 +103,16 @@ class Watchdog:
 
     def watch(
         self, composite: Any, pipeline: str, role: str, calls: ChildCalls, instrumentation: Instrumentation | None,
-        watchdog_s: float, on_stuck: Callable[[StuckCalls], None] | None = None,
+        watchdog_s: float, on_running: Callable[[RunningCalls], None] | None = None,
     ) -> None:
-        """Look at ``composite``'s calls into its children from now on (``on_stuck``: told the composite's stuck
-        calls at every look while it has some, and once more when they are gone)."""
+        """Look at ``composite``'s calls into its children from now on (``on_running``: told the composite's calls
+        seen running at consecutive looks, at every look while it has some, and once more when they are gone)."""
         module = type(composite).__module__
         codes = {function.__code__ for cls in type(composite).__mro__ if cls.__module__ == module
                  for function in vars(cls).values() if isinstance(function, FunctionType)}
         with self._lock:
             self._watched[id(composite)] = _Watched(weakref.ref(composite), pipeline, role, calls, instrumentation,
-                                                    watchdog_s, on_stuck)
+                                                    watchdog_s, on_running)
             self._codes = self._codes | codes
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
@@ -145,12 +151,12 @@ class Watchdog:
         for thread_id, running in self._running.items():
             if seen.get(thread_id) is not running:
                 self._returned(running)
-        reporting = {id(r.watched): r.watched for r in (*self._running.values(), *seen.values()) if r.warned}
+        reporting = {id(r.watched): r.watched for r in (*self._running.values(), *seen.values()) if r.long}
         self._running = seen
         for entry in reporting.values():
-            if entry.on_stuck is not None:
-                entry.on_stuck({(r.child.name, r.operation.label or r.operation.name): r.seconds
-                                for r in seen.values() if r.watched is entry and r.warned})
+            if entry.on_running is not None:
+                entry.on_running({(r.child.name, r.operation.label or r.operation.name): (r.seconds, r.warned)
+                                  for r in seen.values() if r.watched is entry and r.long})
 
     def _find_call(
         self, frame: FrameType, watched: dict[int, _Watched], codes: frozenset[Any],
@@ -190,7 +196,7 @@ class Watchdog:
             logger.warning("child call returned after running long", pipeline=running.watched.pipeline,
                            role=running.watched.role, connector=running.child.name,
                            op=running.operation.label or running.operation.name, ran_s=round(seconds, 2))
-        if running.last_seen > running.first_seen and not running.timed and running.watched.instrumentation:
+        if running.long and not running.timed and running.watched.instrumentation:
             running.watched.instrumentation.slow_call(running.child.index, running.operation, seconds)
 
 

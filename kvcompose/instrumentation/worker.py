@@ -27,13 +27,16 @@ the first worker tracks transfers and engine wait.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from time import time_ns
 from typing import TYPE_CHECKING, Any
 
 from kvcompose.connectors.calls import Fanout
-from kvcompose.instrumentation.base import CallState, Instrumentation
+from kvcompose.instrumentation.base import CallState, Instrumentation, engine_id_of
+from kvcompose.instrumentation.economics import PrefillCost
 from kvcompose.instrumentation.sampling import CallSampler
 from kvcompose.instrumentation.transfers import StepWaits, TransferTracker, bytes_per_block, is_first_worker
 from kvcompose.metrics.recorder import DENSE_FROM_WORKERS
+from kvcompose.metrics.stats import ECONOMICS_KEY
 from kvcompose.metrics.transfers import DIRECTIONS
 from kvcompose.operations import FAILED, Failed, Operation
 from kvcompose.tracing.pipeline import Summaries
@@ -58,12 +61,17 @@ class WorkerInstrumentation(Instrumentation):
         kv_cache_config: KVCacheConfig | None,
     ) -> None:
         parallel = vllm_config.parallel_config
-        super().__init__(pipeline, specs, "worker", ship_dense=parallel.world_size >= DENSE_FROM_WORKERS)
+        super().__init__(pipeline, specs, "worker", engine_id_of(vllm_config),
+                         ship_dense=parallel.world_size >= DENSE_FROM_WORKERS)
         self.tracker: TransferTracker | None = None
         if is_first_worker():  # with tensor parallelism the first worker tracks (bytes count every shard)
             self.tracker = TransferTracker(specs, guards, bytes_per_block(kv_cache_config, parallel.tensor_parallel_size),
                                            self.transfer_recorder, self.tracer)
         self.step_state = CallState()  # every operation's, set at bind
+        # The engine's prefill cost per token, measured by the worker that tracks transfers (one is enough).
+        self._prefill = PrefillCost() if self.tracker is not None and self.recorder.enabled else None
+        self._bound_ns = 0  # when the step was bound
+        self._prefill_tokens = 0  # ... and the prompt tokens it prefills
         self._step_sampler = CallSampler(pipeline.metrics.sample_every) if self.recorder.enabled else None
         self._step = 0  # the bound step's number (load errors are counted by it)
         self._flush_at_take = False  # the next stats are flushed (a step without a forward pass)
@@ -88,6 +96,7 @@ class WorkerInstrumentation(Instrumentation):
         """The step's metadata is about to be bound: returns the calls the composite makes in this step."""
         assert self._plain is not None and self._observed is not None, "calls_for() comes first"
         self._step, self._flush_at_take = metadata.step, metadata.flush_stats
+        self._bound_ns, self._prefill_tokens = time_ns(), metadata.prefill_tokens
         traced = self.tracer is not None and self.tracer.begin_step(metadata.traced_requests)
         contexts = self.tracer.step_contexts() if traced else {}  # type: ignore[union-attr]
         moves = self.tracker is not None and self.tracker.begin_step(metadata, contexts)
@@ -106,12 +115,16 @@ class WorkerInstrumentation(Instrumentation):
         """The step's metadata was cleared: returns the calls made until the next step."""
         self.step_saves = False
         if self.tracker is not None:
+            waited = 0.0
             if weight := self.step_state.weight:  # an observed step: its blocking calls' time is engine wait
                 waits = self.tracker.waits
                 for spec in self.specs:
                     for direction in DIRECTIONS:
                         if seconds := waits.of(spec.index, direction):
                             self.transfer_recorder.waited(spec.index, direction, seconds * weight)
+                            waited += seconds
+            if self._prefill is not None and self._prefill_tokens:
+                self._prefill.step_ended((time_ns() - self._bound_ns) / 1e9 - waited, self._prefill_tokens)
             self.tracker.end_step()
         if self.tracer is not None:
             self.tracer.end_step()
@@ -172,6 +185,11 @@ class WorkerInstrumentation(Instrumentation):
         return self.tracker.take_summaries() or None
 
     # ---- stats, state, shutdown ----
+
+    def reports(self) -> dict[str, Any]:
+        if self._prefill is not None and (report := self._prefill.report()) is not None:
+            return {ECONOMICS_KEY: report}
+        return {}
 
     def flush_due(self) -> bool:
         return self._flush_at_take

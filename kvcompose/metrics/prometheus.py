@@ -22,11 +22,14 @@ from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from kvcompose.instrumentation.transfers import copy_source
+from kvcompose.live import LiveView, engine_ids
 from kvcompose.metrics.histograms import CellAdder, cell_adder
 from kvcompose.metrics.native import NativeStats
-from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, NATIVE_KEY, TELEMETRY_KEY, TRANSFERS_KEY
+from kvcompose.metrics.running_calls import RunningCallSeries
+from kvcompose.metrics.economics import EconomicsReport, EconomicsSeries
+from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, ECONOMICS_KEY, NATIVE_KEY, TELEMETRY_KEY, TRANSFERS_KEY
 from kvcompose.metrics.table import COUNTERS, CallTable
-from kvcompose.metrics.telemetry import TelemetryCounters
+from kvcompose.metrics.telemetry import DROP_REASONS, LIVE_SPANS_QUEUED, TelemetryCounters
 from kvcompose.metrics.transfer_series import TransferSeries
 from kvcompose.metrics.transfers import TransferTable
 
@@ -119,8 +122,9 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
         )
         self.child_state = self._gauge_cls(
             "kvcompose_child_state",
-            "Each child's circuit breaker: 0 closed (called), 1 open (skipped), 2 half-open (probing); "
-            "the worst of the engine's scheduler and workers at their last report.",
+            "Each child's state: 0 closed (called), 1 open (skipped), 2 half-open (probing), the worst circuit "
+            "breaker of the engine's scheduler and workers at their last report; 3 stuck, while a call into it "
+            "runs past watchdog_s (read live).",
             labelnames=names,
             multiprocess_mode="mostrecent",
         )
@@ -144,30 +148,51 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
                                          pipeline.metrics.transfer_buckets)
         self.spans_dropped = self._counter_cls(
             "kvcompose_spans_dropped_total",
-            "Spans kvcompose's exporters dropped because their queue was full (collector slow or unreachable).",
-            labelnames=labelnames,
+            "Spans kvcompose lost, by reason: queue_full (the collector is slow or unreachable), export_failed "
+            "(the collector refused them), exporter_down (the exporter process died), shutdown (not exported "
+            "within tracing.shutdown_flush_s).",
+            labelnames=[*labelnames, "reason"],
         )
         self.spans_queued = self._gauge_cls(
             "kvcompose_spans_queued",
-            "Spans waiting to be exported, in the fullest queue of the engine's processes at its last report.",
+            "Spans waiting to be exported, in the fullest queue of the engine's processes (read live about "
+            "every second; else at the engine's last stats).",
             labelnames=labelnames,
             multiprocess_mode="mostrecent",
         )
+        self.exporter_restarts = self._counter_cls(
+            "kvcompose_exporter_restarts_total",
+            "Span exporter processes started again after one died.",
+            labelnames=labelnames,
+        )
         for engine_labels in per_engine_labelvalues.values():
-            self.spans_dropped.labels(*engine_labels)
+            for reason in DROP_REASONS:
+                self.spans_dropped.labels(*engine_labels, reason)
             self.spans_queued.labels(*engine_labels).set(0)
+            self.exporter_restarts.labels(*engine_labels)
         self._native = _NativeChildMetrics(metric_types, labelnames, per_engine_labelvalues, specs)
+        # What engine processes publish while no stats flow (kvcompose.live): subscribe a key to set a gauge.
+        self.live = LiveView(engine_ids(vllm_config, per_engine_labelvalues))
+        self.live.subscribe(LIVE_SPANS_QUEUED, self._set_spans_queued)
+        self._running_calls = RunningCallSeries(metric_types, names, per_engine_labelvalues,
+                                                [spec.name for spec in specs], self.child_state)
+        self._running_calls.subscribe(self.live)
+        self.live.start()
+        self._economics = EconomicsSeries(metric_types, labelnames, per_engine_labelvalues,
+                                          [spec.name for spec in specs])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
+        if (economics := transfer_stats_data.get(ECONOMICS_KEY)) is not None:  # first: a cost prices the loads
+            self._economics.observe(EconomicsReport.from_payload(economics), engine_idx)
         if (calls := transfer_stats_data.get(CALLS_KEY)) is not None:
-            self._observe_calls(CallTable.from_dict(calls) if isinstance(calls, dict) else calls, engine_idx)
+            self._observe_calls(CallTable.from_payload(calls), engine_idx)
         if (transfers := transfer_stats_data.get(TRANSFERS_KEY)) is not None:
             self._transfers.observe(TransferTable.from_payload(transfers), engine_idx)
         if (telemetry := transfer_stats_data.get(TELEMETRY_KEY)) is not None:
-            self._observe_telemetry(TelemetryCounters.from_payload(telemetry), engine_labels)
+            self._observe_telemetry(TelemetryCounters.from_payload(telemetry), engine_idx)
         for child, breaker in transfer_stats_data.get(BREAKERS_KEY, {}).items():
-            self.child_state.labels(*engine_labels, child).set(breaker["state"])
+            self._running_calls.breaker_reported(engine_idx, child, breaker["state"])
             if breaker["opens"]:
                 self.breaker_opens.labels(*engine_labels, child).inc(breaker["opens"])
         for child, entry in transfer_stats_data.get(NATIVE_KEY, {}).items():
@@ -186,6 +211,8 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
                 row, column = divmod(index, len(COUNTERS))
                 metric, extra_labels = _COUNTER_SERIES[COUNTERS[column]]
                 getattr(self, metric).labels(*engine_labels, table.children[row], *extra_labels).inc(amount)
+                if metric == "loaded_tokens":
+                    self._economics.loaded(engine_idx, table.children[row], amount)
         for child in table.load_errors:
             if blocks := table.load_error_blocks(child):
                 self.load_error_blocks.labels(*engine_labels, child).inc(blocks)
@@ -195,11 +222,17 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
                     self.errors.labels(*engine_labels, child, op, error_type).inc(count)
 
 
-    def _observe_telemetry(self, telemetry: TelemetryCounters, engine_labels: list[object]) -> None:
-        if telemetry.spans_dropped:
-            self.spans_dropped.labels(*engine_labels).inc(telemetry.spans_dropped)
-        if telemetry.spans_queued is not None:
+    def _observe_telemetry(self, telemetry: TelemetryCounters, engine_idx: int) -> None:
+        engine_labels = self.per_engine_labelvalues[engine_idx]
+        for reason, spans in telemetry.dropped.items():
+            self.spans_dropped.labels(*engine_labels, reason).inc(spans)
+        if telemetry.exporter_restarts:
+            self.exporter_restarts.labels(*engine_labels).inc(telemetry.exporter_restarts)
+        if telemetry.spans_queued is not None and not self.live.publishing(engine_idx):
             self.spans_queued.labels(*engine_labels).set(telemetry.spans_queued)
+
+    def _set_spans_queued(self, engine_idx: int, values: list[int]) -> None:
+        self.spans_queued.labels(*self.per_engine_labelvalues[engine_idx]).set(max(values))
 
 
 class _NativeChildMetrics:

@@ -1,27 +1,29 @@
 """KVComposeStats: the composite's mergeable stats, keyed by child name.
 
-``data`` holds kvcompose's own :class:`CallTable` of every child's calls, its
-:class:`TransferTable` of every child's transfers, each child's native stats,
-its circuit breaker's report, and the span exporter's :class:`TelemetryCounters`.
-It crosses processes as plain data (``to_dict``)::
+``data`` holds kvcompose's own reports (each a :class:`Report` section: the
+:class:`CallTable` of every child's calls, the :class:`TransferTable` of every
+child's transfers, the span exporter's :class:`TelemetryCounters`, the tier
+:class:`EconomicsReport`), each child's native stats, and its circuit
+breaker's report. It crosses processes as plain data (``to_dict``)::
 
     {"calls": <CallTable.to_dict()> | None,
      "transfers": <TransferTable.to_dict()> | None,
+     "telemetry": {"dropped": {reason: count}, "spans_queued": count | None, "exporter_restarts": count} | None,
+     "economics": <EconomicsReport.to_dict()> | None,
      "native": {child: {"class": "module:Class", "stats": <the child's own stats dict>}},
-     "breakers": {child: {"state": 0 closed | 1 open | 2 half-open, "opens": count}},
-     "telemetry": {"spans_dropped": count, "spans_queued": count | None} | None}
+     "breakers": {child: {"state": 0 closed | 1 open | 2 half-open, "opens": count}}}
 
 Its size is bounded by children x (operations + directions) x buckets, whatever the traffic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvcompose.metrics.economics import EconomicsReport
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.table import CallTable
 from kvcompose.metrics.telemetry import TelemetryCounters
@@ -32,17 +34,26 @@ NATIVE_KEY = "native"
 BREAKERS_KEY = "breakers"
 TRANSFERS_KEY = "transfers"
 TELEMETRY_KEY = "telemetry"
+ECONOMICS_KEY = "economics"
 
 
-class _Addable(Protocol):
+class Report(Protocol):
+    """A section of kvcompose's own stats: merged with ``add``, carried as a plain dict."""
+
     def add(self, other: Any) -> None: ...
 
+    def copy(self) -> Any: ...
 
-def _copied_table(table: Any) -> Any:
-    """A CallTable or TransferTable of its own with ``table``'s counts."""
-    copy = type(table)(table.children, table.buckets)
-    copy.add(table)
-    return copy
+    def is_empty(self) -> bool: ...
+
+    def reduce(self) -> dict[str, int | float]: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+# Each report section's key and class (its ``from_payload`` rebuilds it after a process hop).
+SECTIONS: dict[str, Any] = {CALLS_KEY: CallTable, TRANSFERS_KEY: TransferTable, TELEMETRY_KEY: TelemetryCounters,
+                            ECONOMICS_KEY: EconomicsReport}
 
 
 @dataclass
@@ -80,6 +91,10 @@ class KVComposeStats(KVConnectorStats):
         self.data[TELEMETRY_KEY] = counters
 
     @property
+    def economics(self) -> EconomicsReport | None:
+        return self.data.get(ECONOMICS_KEY)
+
+    @property
     def native(self) -> dict[str, NativeStats]:
         return self.data.setdefault(NATIVE_KEY, {})
 
@@ -94,43 +109,30 @@ class KVComposeStats(KVConnectorStats):
         for name, entry in payload.get(NATIVE_KEY, {}).items():
             if (stats := NativeStats.from_payload(entry)) is not None:
                 native[name] = stats
-        calls = payload.get(CALLS_KEY)
-        if isinstance(calls, dict):
-            calls = CallTable.from_dict(calls)
-        transfers, telemetry = payload.get(TRANSFERS_KEY), payload.get(TELEMETRY_KEY)
-        return cls(data={
-            CALLS_KEY: calls,
-            TRANSFERS_KEY: TransferTable.from_payload(transfers) if transfers is not None else None,
-            NATIVE_KEY: native,
-            BREAKERS_KEY: dict(payload.get(BREAKERS_KEY, {})),
-            TELEMETRY_KEY: TelemetryCounters.from_payload(telemetry) if telemetry is not None else None,
-        })
+        data: dict[str, Any] = {key: section.from_payload(report) if (report := payload.get(key)) is not None
+                                else None for key, section in SECTIONS.items()}
+        return cls(data={**data, NATIVE_KEY: native, BREAKERS_KEY: dict(payload.get(BREAKERS_KEY, {}))})
 
     def to_dict(self) -> dict[str, Any]:
-        # From ``data`` itself, not through the properties: this runs at every step with stats.
         data = self.data
-        calls, transfers, telemetry = data.get(CALLS_KEY), data.get(TRANSFERS_KEY), data.get(TELEMETRY_KEY)
         native = data.get(NATIVE_KEY)
         return {
-            CALLS_KEY: calls.to_dict() if calls is not None else None,
-            TRANSFERS_KEY: transfers.to_dict() if transfers is not None else None,
+            **{key: report.to_dict() if (report := data.get(key)) is not None else None for key in SECTIONS},
             NATIVE_KEY: {name: stats.to_dict() for name, stats in native.items()} if native else {},
             BREAKERS_KEY: data.get(BREAKERS_KEY) or {},
-            TELEMETRY_KEY: telemetry.to_dict() if telemetry is not None else None,
         }
 
     def aggregate(self, other: KVConnectorStats) -> KVComposeStats:
-        """Add ``other`` into this object (``other`` is not modified; a table or child's stats this object lacks is
-        shared with it until this object is merged into again)."""
+        """Add ``other`` into this object (``other`` is not modified; a report or child's stats this object lacks
+        is shared with it until this object is merged into again)."""
         if not isinstance(other, KVComposeStats):
             other = KVComposeStats.from_payload(other.data)
-        for key, copy_of in ((CALLS_KEY, _copied_table), (TRANSFERS_KEY, _copied_table),
-                             (TELEMETRY_KEY, TelemetryCounters.copy)):
+        for key in SECTIONS:
             if (theirs := other.data.get(key)) is not None:
-                self._add_into("data", self.data, key, theirs, copy_of)
+                self._add_into("data", self.data, key, theirs)
         if other_native := other.data.get(NATIVE_KEY):
             for name, stats in other_native.items():
-                self._add_into(NATIVE_KEY, self.native, name, stats, NativeStats.copy)
+                self._add_into(NATIVE_KEY, self.native, name, stats)
         for name, breaker in (other.data.get(BREAKERS_KEY) or {}).items():
             mine_breaker = self.breakers.get(name)
             # The worst state of any process (scheduler, workers) shows.
@@ -140,48 +142,40 @@ class KVComposeStats(KVConnectorStats):
             }
         return self
 
-    def _add_into(self, section: str, tables: dict[str, Any], key: str, theirs: _Addable,
-                  copy_of: Callable[[Any], _Addable]) -> None:
-        """Add ``theirs`` into ``tables[key]`` (``section`` names ``tables``): taken over as it is where there is
+    def _add_into(self, section: str, reports: dict[str, Any], key: str, theirs: Report | NativeStats) -> None:
+        """Add ``theirs`` into ``reports[key]`` (``section`` names ``reports``): taken over as it is where there is
         none, copied first where it was taken over."""
-        mine = tables.get(key)
+        mine = reports.get(key)
         if mine is None:
-            tables[key] = theirs
+            reports[key] = theirs
             self._borrowed.add((section, key))
             return
         if (section, key) in self._borrowed:
             self._borrowed.discard((section, key))
-            mine = tables[key] = copy_of(mine)
+            mine = reports[key] = mine.copy()
         mine.add(theirs)
 
     def reset(self) -> None:
         self._borrowed.clear()
-        self.calls = None
-        self.transfers = None
-        self.telemetry = None
+        for key in SECTIONS:
+            self.data[key] = None
         self.breakers.clear()
         for stats in self.native.values():
             stats.stats.reset()
 
     def reduce(self) -> dict[str, int | float]:
-        """One line of numbers for vLLM's periodic log: calls and mean ms per child and op, transfers."""
-        reduced = self.calls.reduce() if self.calls is not None else {}
-        if self.transfers is not None:
-            reduced.update(self.transfers.reduce())
-        if self.telemetry is not None:
-            reduced.update(self.telemetry.reduce())
+        """One line of numbers for vLLM's periodic log: calls and mean ms per child and op, transfers, ..."""
+        reduced: dict[str, int | float] = {}
+        for key in SECTIONS:
+            if (report := self.data.get(key)) is not None:
+                reduced.update(report.reduce())
         for name, stats in self.native.items():
             for key, value in stats.stats.reduce().items():
                 reduced[f"{name}.{key}"] = value
         return reduced
 
     def is_empty(self) -> bool:
-        data = self.data  # not through the properties: this runs at every step with stats
-        calls, transfers, telemetry = data.get(CALLS_KEY), data.get(TRANSFERS_KEY), data.get(TELEMETRY_KEY)
-        return (
-            (calls is None or calls.is_empty())
-            and (transfers is None or transfers.is_empty())
-            and (telemetry is None or telemetry.is_empty())
-            and not data.get(BREAKERS_KEY)
-            and all(stats.stats.is_empty() for stats in (data.get(NATIVE_KEY) or {}).values())
-        )
+        data = self.data
+        return (all(report is None or report.is_empty() for report in map(data.get, SECTIONS))
+                and not data.get(BREAKERS_KEY)
+                and all(stats.stats.is_empty() for stats in (data.get(NATIVE_KEY) or {}).values()))

@@ -177,6 +177,17 @@ class CallTable:
                 "load_errors": {child: [[step, sorted(block_ids)] for step, block_ids in sorted(by_step.items())]
                                 for child, by_step in self.load_errors.items()}}
 
+    def copy(self) -> CallTable:
+        """A table of its own with this one's counts."""
+        copy = CallTable(self.children, self.buckets)
+        copy.add(self)
+        return copy
+
+    @classmethod
+    def from_payload(cls, payload: CallTable | dict[str, Any]) -> CallTable:
+        """The table itself, or rebuilt from its dict after a process hop."""
+        return payload if isinstance(payload, CallTable) else cls.from_dict(payload)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CallTable:
         if tuple(data["ops"]) != OPS or tuple(data["counter_names"]) != COUNTERS:

@@ -176,6 +176,12 @@ class TransferTable:
                    _cells_from_dict(data["copy"]), list(data["bytes"]), list(data["in_flight"]),
                    list(data["failures"]), list(data["waited"]), exemplars)
 
+    def copy(self) -> TransferTable:
+        """A table of its own with this one's transfers."""
+        copy = TransferTable(self.children, self.buckets)
+        copy.add(self)
+        return copy
+
     @classmethod
     def from_payload(cls, payload: TransferTable | dict[str, Any]) -> TransferTable:
         """The table itself, or rebuilt from its dict after a process hop."""

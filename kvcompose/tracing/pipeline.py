@@ -35,7 +35,9 @@ from time import time_ns
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcompose.config import Pipeline
+from kvcompose.live import board
 from kvcompose.logs import CURRENT_CALL, get_logger
+from kvcompose.metrics.telemetry import LIVE_SPANS_QUEUED, TelemetryCounters
 from kvcompose.operations import Operation
 from kvcompose.tracing import attributes as attr
 from kvcompose.tracing.records import IDS, parse_traceparent
@@ -318,8 +320,9 @@ class PipelineTracer:
             self._records.append((self._breaker_template, trace_id, IDS.span_id(), 0, now, now, None,
                                   (connector, state), None, (), (("kvcompose.circuit_breaker", now, attributes),)))
 
-    def telemetry(self) -> tuple[int, int]:
-        """(spans dropped since the last call, spans waiting for export)."""
+    def telemetry(self) -> TelemetryCounters | None:
+        """How span export keeps up since the last call (drops by reason, exporter restarts, spans waiting
+        now); None when nothing changed. Pass it on as is."""
         return self._shipper.telemetry()
 
     def close(self) -> None:
@@ -329,18 +332,22 @@ class PipelineTracer:
                 self._end_request_span(req_id, entry)
         self._requests.clear()
         self.end_step()
-        self._shipper.close()
+        self._shipper.release(self._records)
 
     @property
     def open_requests(self) -> int:
         return len(self._requests) + len(self._finished_async)
 
 
-def pipeline_tracer(pipeline: Pipeline, role: str) -> PipelineTracer | None:
-    """The composite's tracer: None unless the pipeline enables tracing."""
+def pipeline_tracer(pipeline: Pipeline, role: str, engine_id: str | None = None) -> PipelineTracer | None:
+    """The composite's tracer: None unless the pipeline enables tracing. With ``engine_id``
+    (``vllm_config.kv_transfer_config.engine_id``), the spans waiting for export are also published on the
+    engine's live board (:mod:`kvcompose.live`), so that the front-end's gauge stays true while no stats flow."""
     if not pipeline.tracing.enabled:
         return None
     from kvcompose import __version__
 
-    return PipelineTracer(shipper_for(pipeline.tracing, __version__), sampling_for(pipeline.tracing.sample_ratio),
-                          pipeline, role)
+    shipper = shipper_for(pipeline.tracing, __version__, pipeline.logging)
+    if engine_id is not None:
+        board(engine_id).watch(LIVE_SPANS_QUEUED, shipper.queued)
+    return PipelineTracer(shipper, sampling_for(pipeline.tracing.sample_ratio), pipeline, role)

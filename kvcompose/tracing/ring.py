@@ -1,16 +1,25 @@
-"""A byte ring in a shared file, from one engine process to its exporter process.
+"""A byte ring in anonymous shared memory, from one engine process to its exporter process.
 
 One writer (the engine process) appends frames without a system call; one
-reader (the exporter process) takes them when woken. The header holds six
-counters, each an 8-byte aligned little-endian integer:
+reader (the exporter process) takes them when woken. The memory is an
+anonymous file (``memfd_create``) that the exporter inherits as a file
+descriptor: it has no name anywhere, so nothing is left behind in
+``/dev/shm`` whichever process dies first, and the memory is freed when the
+last of them closes it.
 
-- ``written`` and ``read``: bytes ever appended and consumed (the ring's free
-  room is its size less their difference); each side only writes its own.
-- ``dropped`` and ``queued``: the exporter's count of spans it dropped and of
-  spans waiting for export, read by the engine for its metrics.
-- ``closed``: set by the engine when it shuts down.
-- ``sleeping``: set by the reader while it sleeps, so that the writer wakes it
-  (through a pipe of their own) only then, or when the ring is half full.
+The header holds counters, each an 8-byte aligned little-endian integer
+written by one side only:
+
+- ``written`` (engine) and ``read`` (exporter): bytes ever appended and
+  consumed; the ring's free room is its size less their difference.
+- the exporter's span accounts: ``exported``, and dropped by reason
+  (``queue_full``, ``export_failed``, ``unreadable``: a record of a template it
+  was never sent, ``shutdown``: still queued when its flush time ran out). The
+  engine subtracts them from the spans it appended to know how many wait, and,
+  when the exporter dies, how many died with it.
+- ``closed`` (engine): it shuts down; ``sleeping`` (exporter): set while it
+  sleeps, so that the engine wakes it (through a pipe of their own) only then,
+  or when the ring is half full; ``pid`` (exporter): its process id, for logs.
 
 A frame is a 4-byte length and a ``marshal`` payload, wrapping at the end of
 the data area. The writer stores the payload before it advances ``written``;
@@ -24,40 +33,37 @@ import marshal
 import mmap
 import os
 import struct
+import tempfile
 from typing import Any
 
 _COUNTER = struct.Struct("<Q")
 _LENGTH = struct.Struct("<I")
-WRITTEN, READ, DROPPED, QUEUED, CLOSED, SLEEPING = (index * _COUNTER.size for index in range(6))
-HEADER_BYTES = 64
+(WRITTEN, READ, EXPORTED, QUEUE_FULL, EXPORT_FAILED, UNREADABLE, SHUTDOWN_LOST, CLOSED, SLEEPING,
+ PID) = (index * _COUNTER.size for index in range(10))
+SETTLED = (EXPORTED, QUEUE_FULL, EXPORT_FAILED, UNREADABLE, SHUTDOWN_LOST)  # a span ends in exactly one of these
+HEADER_BYTES = 128
 DEFAULT_DATA_BYTES = 4 << 20
 
 
 class Ring:
-    """A mapped ring; :meth:`create` for the writer, :meth:`attach` for the reader."""
+    """A mapped ring; :meth:`create` for the writer, :meth:`attach` for the reader. ``fd`` is the
+    shared memory's file descriptor, which the writer hands to its reader's process."""
 
-    def __init__(self, path: str, mapped: mmap.mmap) -> None:
-        self.path = path
+    def __init__(self, fd: int, mapped: mmap.mmap) -> None:
+        self.fd = fd
         self._map = mapped
         self._size = len(mapped) - HEADER_BYTES
         self._written = self.counter(WRITTEN)  # the writer's own count, kept here: only it changes it
 
     @classmethod
-    def create(cls, directory: str, data_bytes: int = DEFAULT_DATA_BYTES) -> Ring:
-        fd, path = _temp_file(directory)
-        try:
-            os.ftruncate(fd, HEADER_BYTES + data_bytes)
-            return cls(path, mmap.mmap(fd, HEADER_BYTES + data_bytes))
-        finally:
-            os.close(fd)
+    def create(cls, data_bytes: int = DEFAULT_DATA_BYTES) -> Ring:
+        fd = _anonymous_file()
+        os.ftruncate(fd, HEADER_BYTES + data_bytes)
+        return cls(fd, mmap.mmap(fd, HEADER_BYTES + data_bytes))
 
     @classmethod
-    def attach(cls, path: str) -> Ring:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            return cls(path, mmap.mmap(fd, os.fstat(fd).st_size))
-        finally:
-            os.close(fd)
+    def attach(cls, fd: int) -> Ring:
+        return cls(fd, mmap.mmap(fd, os.fstat(fd).st_size))
 
     # ---- counters ----
 
@@ -66,6 +72,10 @@ class Ring:
 
     def set_counter(self, offset: int, value: int) -> None:
         _COUNTER.pack_into(self._map, offset, value)
+
+    def settled(self) -> int:
+        """Spans the reader has exported or dropped, all reasons together."""
+        return sum(self.counter(offset) for offset in SETTLED)
 
     # ---- writer ----
 
@@ -98,7 +108,7 @@ class Ring:
         if first < len(data):
             self._map[HEADER_BYTES:HEADER_BYTES + len(data) - first] = data[first:]
 
-    # ---- reader ----
+    # ---- reader (and the writer, once its reader is gone) ----
 
     def take(self) -> list[Any]:
         """Every frame appended since the last take, in order."""
@@ -127,9 +137,14 @@ class Ring:
 
     def close(self) -> None:
         self._map.close()
+        os.close(self.fd)
 
 
-def _temp_file(directory: str) -> tuple[int, str]:
-    import tempfile
-
-    return tempfile.mkstemp(prefix="kvcompose-spans-", dir=directory)
+def _anonymous_file() -> int:
+    """A file descriptor of memory with no name; where ``memfd_create`` is missing (not Linux), a
+    temporary file unlinked at once."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("kvcompose-spans")
+    fd, path = tempfile.mkstemp(prefix="kvcompose-spans-")
+    os.unlink(path)
+    return fd

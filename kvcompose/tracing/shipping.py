@@ -1,4 +1,4 @@
-"""Where a process's span records go: an exporter process, or an exporter supplied in-process.
+"""Where a process's span records go: a supervised exporter process, or an exporter supplied in-process.
 
 A tracer's records wait in its :class:`~kvcompose.tracing.outbox.Outbox`, which
 its shipper makes; the outbox's thread hands them over in batches (a tenth of
@@ -8,37 +8,63 @@ that traces starts one exporter process
 records to a shared-memory :class:`~kvcompose.tracing.ring.Ring` that the
 exporter reads: a batch costs a ``marshal`` and a copy, and a one-byte write
 that wakes the exporter only if it sleeps (after an idle spell) or the ring is
-half full. When
-the ring is full (the exporter is behind, or gone) the batch is dropped and
-counted. :func:`set_span_exporter` replaces that, for the whole process, with
-an exporter called in-process (tests, embedders).
+half full. When the ring is full (the exporter is behind) the batch is dropped
+and counted. :func:`set_span_exporter` replaces that, for the whole process,
+with an exporter called in-process (tests, embedders).
+
+Supervision: the exporter holds one end of a pipe open for its whole life, so
+the other end reads end-of-file the moment it ends, however it ends. A thread
+per shipper waits on it (no CPU while the exporter lives) and, when it dies:
+
+- logs it (one line; a process dying again and again: one a minute);
+- counts as dropped (``exporter_down``) the spans that died with it: those it
+  had read and neither exported nor counted;
+- moves what it had not read yet into a new ring, and starts a new exporter
+  on it after a back-off (:data:`FIRST_RESTART_S`, doubling up to
+  :data:`MAX_RESTART_S`; back to the first once an exporter lived that long).
+  Records shipped meanwhile wait in the new ring; what does not fit is dropped
+  as ``exporter_down``.
+
+Shutdown: :meth:`ProcessShipper.close` (the last tracer of the process closing,
+or the interpreter exiting) ships what the outboxes hold and tells the exporter
+to finish, without waiting for it: the exporter is not the engine's descendant
+(see the exporter's module), so it exports what it holds within the pipeline's
+``tracing.shutdown_flush_s`` even when vLLM kills the engine's whole process
+tree right away, and counts and logs what it cannot. Records still in an
+outbox when the engine is killed outright are lost: at most a drain interval's.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import select
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from kvcompose.config import TracingSection
+from kvcompose.config import LoggingSection, TracingSection
+from kvcompose.logs import get_logger
+from kvcompose.metrics.telemetry import DROP_REASONS, TelemetryCounters
 from kvcompose.tracing import export_process
 from kvcompose.tracing.export_process import RECORDS_FRAME, TEMPLATES_FRAME
 from kvcompose.tracing.outbox import Outbox, drain_for
 from kvcompose.tracing.records import SpanRecord, Templates, resource_for, to_readable_spans
-from kvcompose.tracing.ring import CLOSED, DROPPED, QUEUED, READ, SLEEPING, Ring
+from kvcompose.tracing.ring import CLOSED, EXPORT_FAILED, PID, QUEUE_FULL, SHUTDOWN_LOST, SLEEPING, UNREADABLE, Ring
 
-SHUTDOWN_WAIT_S = 2.5  # the exporter process flushes for at most 2 s
-STARTUP_WAIT_S = 10.0  # for an exporter process still starting when the engine shuts down
-_SHARED_MEMORY = "/dev/shm"
+# The exporter's first process: it forks the exporter and exits at once, so that the exporter is not the
+# engine's descendant (see kvcompose.tracing.export_process). An isolated interpreter without site packages
+# starts in milliseconds: the exporter is out of the engine's tree before it starts importing.
+_LAUNCHER = "import os, sys\nif os.fork() == 0:\n    os.execv(sys.executable, [sys.executable, '-m', *sys.argv[1:]])\n"
+FIRST_RESTART_S = 0.5
+MAX_RESTART_S = 30.0
+log = get_logger("tracing")
 
 
 class SpanShipper(Protocol):
@@ -52,8 +78,17 @@ class SpanShipper(Protocol):
         """Called by the outboxes' thread (or a flush), one batch at a time."""
         ...
 
-    def telemetry(self) -> tuple[int, int]:
-        """(spans dropped since the last call, spans waiting for export now)."""
+    def telemetry(self) -> TelemetryCounters | None:
+        """Spans dropped (by reason) and exporter restarts since the last call, and the spans waiting now;
+        None when nothing changed."""
+        ...
+
+    def queued(self) -> int:
+        """Spans shipped and not yet exported or dropped."""
+        ...
+
+    def release(self, outbox: Outbox) -> None:
+        """The outbox's tracer is done: ship what it holds; the last one closes the shipper."""
         ...
 
     def close(self) -> None:
@@ -64,17 +99,34 @@ class SpanShipper(Protocol):
 class _OutboxesShipped:
     """What every shipper does with its outboxes."""
 
+    def __init__(self) -> None:
+        self._open_outboxes = 0
+
     def outbox(self) -> Outbox:
+        self._open_outboxes += 1
         return Outbox(self)  # type: ignore[arg-type]
+
+    def release(self, outbox: Outbox) -> None:
+        drain_for(self)  # type: ignore[arg-type]
+        self._open_outboxes -= 1
+        if self._open_outboxes <= 0:
+            self.close()
 
     def close(self) -> None:
         drain_for(self)  # type: ignore[arg-type]
+
+    def telemetry(self) -> TelemetryCounters | None:
+        return None
+
+    def queued(self) -> int:
+        return 0
 
 
 class InProcessShipper(_OutboxesShipped):
     """Records become spans and are exported in this process, by the outboxes' thread."""
 
     def __init__(self, exporter: SpanExporter, service_name: str, version: str) -> None:
+        super().__init__()
         self.templates = Templates()
         self._exporter = exporter
         self._resource = resource_for(service_name)
@@ -83,101 +135,282 @@ class InProcessShipper(_OutboxesShipped):
     def ship(self, records: Sequence[SpanRecord]) -> None:
         self._exporter.export(to_readable_spans(records, self.templates.all, self._resource, self._version))
 
-    def telemetry(self) -> tuple[int, int]:
-        return 0, 0
-
 
 class DiscardingShipper(_OutboxesShipped):
     """``exporter: none``: spans are decided and recorded, then dropped uncounted."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.templates = Templates()
 
     def ship(self, records: Sequence[SpanRecord]) -> None:
         pass
 
-    def telemetry(self) -> tuple[int, int]:
-        return 0, 0
+
+class _Exporter:
+    """One exporter process and its ring, as the engine sees them."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self.ring = Ring.create()
+        self.ring.append(settings)
+        self.shipped = 0  # spans appended to this ring
+        self.launcher: subprocess.Popen[bytes] | None = None  # the exporter's first process (_LAUNCHER)
+        self._wake_fd = -1  # the exporter's stdin, written to wake it
+        self._exit_fd = -1  # reads end-of-file once the exporter has ended
+        self.started_at = 0.0
+
+    @property
+    def started(self) -> bool:
+        return self.launcher is not None
+
+    def start(self) -> None:
+        exit_read, exit_write = os.pipe()
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        try:
+            self.launcher = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _LAUNCHER, export_process.__name__, str(os.getpid()),
+                 str(self.ring.fd), str(exit_write)],
+                stdin=subprocess.PIPE, env=env, close_fds=True, pass_fds=(self.ring.fd, exit_write),
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(exit_read)
+            raise
+        finally:
+            os.close(exit_write)
+        self._exit_fd, self.started_at = exit_read, time.monotonic()
+        assert self.launcher.stdin is not None
+        self._wake_fd = self.launcher.stdin.fileno()
+        os.set_blocking(self._wake_fd, False)
+
+    def append(self, kind: str, items: Sequence[Any]) -> bool:
+        if not self.ring.append((kind, items)):
+            return False
+        if kind == RECORDS_FRAME:
+            self.shipped += len(items)
+        return True
+
+    def wake_if_needed(self) -> None:
+        """A byte on the exporter's stdin wakes it, when it sleeps or the ring is half full. Never blocks:
+        a full pipe already holds a wake-up."""
+        if self.started and (self.ring.counter(SLEEPING) or self.ring.half_full()):
+            try:
+                os.write(self._wake_fd, b"\1")
+            except OSError:  # BlockingIOError (full), BrokenPipeError (it exited): nothing to wake
+                pass
+
+    def wait_for_end(self) -> None:
+        """Return once the exporter has ended, however it ended."""
+        assert self.launcher is not None
+        self.launcher.wait()  # it exits as soon as it has forked the exporter
+        select.select([self._exit_fd], [], [])
+        os.close(self._exit_fd)
+
+    def waiting(self) -> int:
+        return self.shipped - self.ring.settled()
+
+    def drops(self) -> dict[str, int]:
+        """The spans the exporter dropped so far, by reason (as it counted them in the ring)."""
+        ring = self.ring
+        return {"queue_full": ring.counter(QUEUE_FULL),
+                "export_failed": ring.counter(EXPORT_FAILED) + ring.counter(UNREADABLE),
+                "shutdown": ring.counter(SHUTDOWN_LOST)}
+
+    def unread_records(self) -> list[Sequence[Any]]:
+        """The record batches the exporter had not read (it is gone; the settings and templates it had not
+        read either are left out: a new exporter is sent its own)."""
+        return [frame[1] for frame in self.ring.take() if isinstance(frame, tuple) and frame[0] == RECORDS_FRAME]
+
+    def finish_input(self) -> None:
+        """The engine ships nothing more: the exporter drains the ring, flushes and exits."""
+        self.ring.set_counter(CLOSED, 1)
+        if self.launcher is not None and self.launcher.stdin is not None:
+            self.launcher.stdin.close()  # wakes it at once
 
 
 class ProcessShipper(_OutboxesShipped):
-    """Appends record batches to the ring of this process's exporter process (started on the first batch)."""
+    """Appends record batches to the ring of this process's exporter process (started with the first outbox, or
+    the first batch), and keeps that process running; see the module docstring."""
 
-    def __init__(self, section: TracingSection, version: str) -> None:
+    def __init__(self, section: TracingSection, version: str, logging: LoggingSection | None = None) -> None:
+        super().__init__()
+        logging = logging or LoggingSection()
+        self._flush_s = section.shutdown_flush_s
         self._settings = {"service_name": section.service_name, "exporter": section.exporter,
-                          "endpoint": section.endpoint, "version": version}
+                          "endpoint": section.endpoint, "version": version, "flush_s": self._flush_s,
+                          "log_format": logging.format, "log_level": logging.level}
         self.templates = Templates()
-        self._ring: Ring | None = None
-        self._process: subprocess.Popen[bytes] | None = None
-        self._wake_fd = -1  # the exporter's stdin, written to wake it
-        # Spans dropped by this side (counted by the outboxes' thread), and as telemetry() last reported them;
-        # two counters, each written by one thread.
-        self._dropped = self._reported_own = 0
-        self._reported_dropped = 0  # the exporter process's own count, as last read
+        self._owner = os.getpid()  # a forked child inherits this object, not the exporter
+        self._lock = threading.Lock()  # the outboxes' thread ships, a supervisor replaces, close() ends
+        self._exporter: _Exporter | None = None
+        self._closing: list[_Exporter] = []  # closed, still exporting what they hold
+        # Spans dropped so far by this side and by exporters that are gone (the current one's own counts are
+        # added when read), and what telemetry() last reported.
+        self._dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._restarts = 0
+        self._reported: tuple[dict[str, int], int, int] = (dict.fromkeys(DROP_REASONS, 0), 0, 0)
+        self._restart_in_s = FIRST_RESTART_S
+        self._death_logged_at = -float("inf")
+        self._deaths_not_logged = 0
+        self._at_exit = False
+
+    def outbox(self) -> Outbox:
+        """A tracer's outbox; its exporter starts now, ahead of the first spans (an exporter still starting
+        when the engine is killed dies with what it was sent)."""
+        with self._lock:
+            if self._exporter is None:
+                self._start()
+        return super().outbox()
+
+    # ---- the outboxes' thread ----
 
     def ship(self, records: Sequence[SpanRecord]) -> None:
-        if self._ring is None:
-            self._start()
-        assert self._ring is not None
-        if (new := self.templates.unshipped()) and not self._ring.append((TEMPLATES_FRAME, new)):
-            self._dropped += len(records)  # its records could not be read without it
+        with self._lock:
+            exporter = self._exporter or self._start()
+            reason = "queue_full" if exporter.started else "exporter_down"
+            if (new := self.templates.unshipped()) and not exporter.append(TEMPLATES_FRAME, new):
+                self._dropped[reason] += len(records)  # its records could not be read without it
+                return
+            self.templates.mark_shipped()
+            if not exporter.append(RECORDS_FRAME, records):
+                self._dropped[reason] += len(records)
+                return
+            exporter.wake_if_needed()
+
+    def _start(self) -> _Exporter:
+        """A new exporter (the first, or the first after close())."""
+        exporter = self._exporter = _Exporter(self._settings)
+        self.templates.mark_unshipped()  # a new exporter knows no template
+        self._launch(exporter)
+        if not self._at_exit:
+            self._at_exit = True
+            atexit.register(self.close)
+        return exporter
+
+    def _launch(self, exporter: _Exporter) -> None:
+        exporter.start()
+        threading.Thread(target=self._supervise, args=(exporter,), name="kvcompose-span-exporter-watch",
+                         daemon=True).start()
+
+    # ---- a supervisor's thread, one per exporter process started ----
+
+    def _supervise(self, exporter: _Exporter) -> None:
+        exporter.wait_for_end()
+        with self._lock:
+            if exporter in self._closing:  # closed: it has flushed
+                self._closing.remove(exporter)
+                self._settle_closed(exporter)
+                return
+            replacement, lost = self._replace(exporter)
+            lived_s = time.monotonic() - exporter.started_at
+            delay = FIRST_RESTART_S if lived_s >= MAX_RESTART_S else self._restart_in_s
+            self._restart_in_s = min(2 * delay, MAX_RESTART_S)
+            pid = exporter.ring.counter(PID) or None
+            exporter.ring.close()
+        self._log_death(pid, lost, lived_s, delay)
+        while True:
+            time.sleep(delay)
+            with self._lock:
+                if replacement is not self._exporter or replacement.started:  # closed: close() started it
+                    return
+                try:
+                    self._launch(replacement)
+                except OSError as error:  # no process could start (out of memory, no more pids)
+                    log.error("span_exporter_start_failed", error_type=type(error).__name__)
+                    delay = MAX_RESTART_S
+                    continue
+                self._restarts += 1
+                return
+
+    def _replace(self, dead: _Exporter) -> tuple[_Exporter, int]:
+        """A new, not yet started exporter holding what ``dead`` had not read; the spans that died with it."""
+        unread = dead.unread_records()
+        for reason, spans in dead.drops().items():
+            self._dropped[reason] += spans
+        lost = dead.waiting() - sum(len(items) for items in unread)
+        self._dropped["exporter_down"] += lost
+        replacement = self._exporter = _Exporter(self._settings)
+        self.templates.mark_unshipped()
+        if self.templates.all:
+            replacement.append(TEMPLATES_FRAME, self.templates.unshipped())
+            self.templates.mark_shipped()
+        for items in unread:
+            if not replacement.append(RECORDS_FRAME, items):
+                self._dropped["exporter_down"] += len(items)
+        return replacement, lost
+
+    def _settle_closed(self, exporter: _Exporter) -> None:
+        """Account for an exporter that ended after close(): what it counted, and what it ended without
+        counting (it died while flushing)."""
+        for reason, spans in exporter.drops().items():
+            self._dropped[reason] += spans
+        if unaccounted := exporter.waiting():
+            self._dropped["shutdown"] += unaccounted
+            log.warning("spans_lost_at_shutdown", spans=unaccounted, pid=exporter.ring.counter(PID) or None)
+        exporter.ring.close()
+
+    def _log_death(self, pid: int | None, lost: int, lived_s: float, restart_in_s: float) -> None:
+        """One line per death; an exporter that dies again and again: one line a minute, counting the others."""
+        now = time.monotonic()
+        if now - self._death_logged_at < MAX_RESTART_S * 2:
+            self._deaths_not_logged += 1
             return
-        self.templates.mark_shipped()
-        if not self._ring.append((RECORDS_FRAME, records)):
-            self._dropped += len(records)
-        elif self._ring.counter(SLEEPING) or self._ring.half_full():
-            self._wake_exporter()
+        self._death_logged_at, held_back, self._deaths_not_logged = now, self._deaths_not_logged, 0
+        log.error("span_exporter_died", pid=pid, engine_pid=os.getpid(), lived_s=round(lived_s, 1), spans_lost=lost,
+                  restart_in_s=restart_in_s, **({"deaths_not_logged": held_back} if held_back else {}))
 
-    def _wake_exporter(self) -> None:
-        """A byte on the exporter's stdin wakes it. Never blocks: a full pipe already holds a wake-up."""
-        try:
-            os.write(self._wake_fd, b"\1")
-        except OSError:  # BlockingIOError (full), BrokenPipeError (it exited): nothing to wake
-            pass
+    # ---- the engine's stats and live view ----
 
-    def _start(self) -> None:
-        self._ring = Ring.create(_SHARED_MEMORY if os.path.isdir(_SHARED_MEMORY) else tempfile.gettempdir())
-        self._ring.append(self._settings)
-        self.templates.mark_unshipped()  # after close(), this is a new exporter: it knows none
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        self._process = subprocess.Popen(  # its stdin: closed by close(), or by the kernel when this process dies
-            [sys.executable, "-m", export_process.__name__, self._ring.path],
-            stdin=subprocess.PIPE, env=env, close_fds=True, start_new_session=True,
-        )
-        assert self._process.stdin is not None
-        self._wake_fd = self._process.stdin.fileno()
-        os.set_blocking(self._wake_fd, False)
-        atexit.register(self.close)
+    def _running(self) -> list[_Exporter]:
+        return self._closing + ([self._exporter] if self._exporter is not None else [])
 
-    def telemetry(self) -> tuple[int, int]:
-        if self._ring is None:
-            return 0, 0
-        total, own = self._ring.counter(DROPPED), self._dropped
-        dropped = own - self._reported_own + max(0, total - self._reported_dropped)
-        self._reported_own, self._reported_dropped = own, total
-        return dropped, self._ring.counter(QUEUED)
+    def telemetry(self) -> TelemetryCounters | None:
+        with self._lock:
+            drops = dict(self._dropped)
+            for exporter in self._running():
+                for reason, spans in exporter.drops().items():
+                    drops[reason] += spans
+            restarts, queued = self._restarts, sum(exporter.waiting() for exporter in self._running())
+        reported_drops, reported_restarts, reported_queued = self._reported
+        new_drops = {reason: spans - reported_drops[reason] for reason, spans in drops.items()
+                     if spans > reported_drops[reason]}
+        if not new_drops and restarts == reported_restarts and queued == reported_queued:
+            return None
+        # An exporter's counts move from it to this side when it ends: never report them twice.
+        self._reported = {reason: max(spans, reported_drops[reason]) for reason, spans in drops.items()}, \
+            restarts, queued
+        return TelemetryCounters(new_drops, queued, restarts - reported_restarts)
+
+    def queued(self) -> int:
+        with self._lock:
+            return sum(exporter.waiting() for exporter in self._running())
+
+    # ---- shutdown ----
 
     def close(self) -> None:
-        """What the outboxes hold is shipped; the exporter process drains the ring, flushes (at most 2 s)
-        and exits."""
-        super().close()
-        ring, process = self._ring, self._process
-        self._ring = self._process = None
-        if ring is None or process is None:
+        """Ship what the outboxes hold and tell the exporter to finish: it exports what it has for at most
+        ``tracing.shutdown_flush_s`` and exits, on its own. Returns at once: vLLM gives its engine processes
+        a few seconds to shut down (its worker processes most of them), and a wait here would take from that;
+        the exporter, outside the engine's process tree, needs no engine to finish."""
+        if os.getpid() != self._owner:
             return
-        ring.set_counter(CLOSED, 1)
-        if process.stdin is not None:
-            process.stdin.close()  # wakes it at once
-        deadline = time.monotonic() + STARTUP_WAIT_S
-        while not ring.counter(READ) and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)  # still importing: what it was sent would be lost
-        try:
-            process.wait(SHUTDOWN_WAIT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        ring.close()
-        Path(ring.path).unlink(missing_ok=True)
+        super().close()
+        with self._lock:
+            exporter, self._exporter = self._exporter, None
+            if exporter is None:
+                return
+            if not exporter.started:  # waiting to be restarted: start it now, to export what it holds
+                try:
+                    self._launch(exporter)
+                except OSError as error:
+                    self._dropped["shutdown"] += exporter.waiting()
+                    log.error("span_exporter_start_failed", error_type=type(error).__name__,
+                              spans_lost=exporter.waiting())
+                    exporter.ring.close()
+                    return
+            exporter.finish_input()
+            self._closing.append(exporter)
 
 
 _lock = threading.Lock()
@@ -192,8 +425,8 @@ def set_span_exporter(exporter: SpanExporter | None) -> None:
     _override = exporter
 
 
-def shipper_for(section: TracingSection, version: str) -> SpanShipper:
-    """This process's shipper for a pipeline's tracing section."""
+def shipper_for(section: TracingSection, version: str, logging: LoggingSection | None = None) -> SpanShipper:
+    """This process's shipper for a pipeline's tracing section (``logging``: how its exporter logs)."""
     if _override is not None:
         return InProcessShipper(_override, section.service_name, version)
     if section.exporter == "none":
@@ -201,5 +434,5 @@ def shipper_for(section: TracingSection, version: str) -> SpanShipper:
     key = (os.getpid(), section)
     with _lock:
         if (shipper := _shippers.get(key)) is None:
-            shipper = _shippers[key] = ProcessShipper(section, version)
+            shipper = _shippers[key] = ProcessShipper(section, version, logging)
         return shipper

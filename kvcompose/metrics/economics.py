@@ -1,0 +1,133 @@
+"""Tier economics as the stats carry them, and the series the front-end makes of them.
+
+The scheduler knows the engine's prefix-block stream (its hit-ratio curve by
+cache size, from kvcompose.economics.shards), the GPU cache and each tier's
+capacity, and the bytes of a block; a worker measures what prefilling a token
+costs the engine. Each reports what changed, at most every few seconds, as an
+:class:`EconomicsReport` in its stats; merged reports keep the latest of each
+figure (they are levels, not counts).
+
+The front-end (:class:`EconomicsSeries`) sets the gauges, and prices what each
+tier loaded: ``kvcompose_prefill_seconds_saved_total{connector}`` grows by the
+tokens a tier was chosen to load times the engine's measured prefill cost per
+token, at the time they were loaded (tokens loaded before the first cost is
+known are priced once it is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+GPU = "gpu"  # kvcompose_tier_capacity_blocks' connector label for the GPU cache
+
+
+@dataclass
+class EconomicsReport:
+    """What changed in a process's view of the tiers' economics since its last report (None: unchanged)."""
+
+    curve: list[list[float]] | None = None  # [size in blocks, estimated LRU hit ratio], by size
+    capacities: dict[str, int] | None = None  # tier (or "gpu") -> blocks it holds
+    block_bytes: int | None = None  # bytes of one KV block, over every layer and worker
+    write_waste: dict[str, float] | None = None  # tier -> estimated share of its saved blocks never read from it
+    prefill_seconds_per_token: float | None = None  # the engine's measured prefill cost
+
+    def add(self, other: EconomicsReport) -> None:
+        """Take ``other``'s figures where it has any: the later report of a level wins."""
+        for each in fields(self):
+            if (value := getattr(other, each.name)) is not None:
+                setattr(self, each.name, value)
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, each.name) is None for each in fields(self))
+
+    def copy(self) -> EconomicsReport:
+        return EconomicsReport(**self.to_dict())
+
+    def reduce(self) -> dict[str, int | float]:
+        """For vLLM's log line: the prefill cost, when reported."""
+        if self.prefill_seconds_per_token is None:
+            return {}
+        return {"prefill_us_per_token": round(self.prefill_seconds_per_token * 1e6, 3)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {each.name: getattr(self, each.name) for each in fields(self)}
+
+    @classmethod
+    def from_payload(cls, payload: EconomicsReport | dict[str, Any]) -> EconomicsReport:
+        return payload if isinstance(payload, EconomicsReport) else cls(**payload)
+
+
+class EconomicsSeries:
+    """The front-end's economics series, per engine; see the module docstring."""
+
+    def __init__(
+        self, metric_types: dict[type, type], labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+        children: Sequence[str],
+    ) -> None:
+        """``labelnames``: vLLM's (model_name, engine)."""
+        self._labels = per_engine_labelvalues
+        self.hit_ratio = metric_types[Gauge](
+            "kvcompose_cache_size_hit_ratio",
+            "Estimated share of block references an LRU prefix cache of size_blocks blocks would serve, on the "
+            "engine's recent traffic (SHARDS, decaying with a one-hour half-life).",
+            labelnames=[*labelnames, "size_blocks"], multiprocess_mode="mostrecent")
+        self.capacity = metric_types[Gauge](
+            "kvcompose_tier_capacity_blocks", "Blocks each tier holds (connector=\"gpu\": the GPU cache), where known.",
+            labelnames=[*labelnames, "connector"], multiprocess_mode="mostrecent")
+        self.block_bytes = metric_types[Gauge](
+            "kvcompose_kv_block_bytes", "Bytes of one KV cache block, over every layer and worker.",
+            labelnames=labelnames, multiprocess_mode="mostrecent")
+        self.write_waste = metric_types[Gauge](
+            "kvcompose_write_waste_ratio",
+            "Estimated share of the blocks saved to each tier that no later request reads from it at its size.",
+            labelnames=[*labelnames, "connector"], multiprocess_mode="mostrecent")
+        self.prefill_cost = metric_types[Gauge](
+            "kvcompose_prefill_seconds_per_token",
+            "The engine's measured cost of prefilling one token (forward time of prefill steps per prefill token).",
+            labelnames=labelnames, multiprocess_mode="mostrecent")
+        self.saved = metric_types[Counter](
+            "kvcompose_prefill_seconds_saved_total",
+            "Prefill seconds each tier saved the engine: the tokens it was chosen to load, times the engine's "
+            "measured prefill cost per token.",
+            labelnames=[*labelnames, "connector"])
+        for labels in per_engine_labelvalues.values():
+            for child in children:
+                self.saved.labels(*labels, child)
+        self._cost: dict[int, float] = {}  # engine -> its latest prefill cost per token
+        self._unpriced: dict[tuple[int, str], int] = {}  # (engine, child) -> tokens loaded before a cost was known
+        self._sizes: dict[int, set[str]] = {}  # engine -> curve sizes shown
+
+    def observe(self, report: EconomicsReport, engine_idx: int) -> None:
+        labels = self._labels[engine_idx]
+        if report.curve is not None:
+            sizes = set()
+            for size, ratio in report.curve:
+                sizes.add(size_label := str(int(size)))
+                self.hit_ratio.labels(*labels, size_label).set(ratio)
+            for gone in self._sizes.get(engine_idx, set()) - sizes:  # the grid moved: a stale size would mislead
+                self.hit_ratio.remove(*labels, gone)
+            self._sizes[engine_idx] = sizes
+        for child, blocks in (report.capacities or {}).items():
+            self.capacity.labels(*labels, child).set(blocks)
+        if report.block_bytes is not None:
+            self.block_bytes.labels(*labels).set(report.block_bytes)
+        for child, share in (report.write_waste or {}).items():
+            self.write_waste.labels(*labels, child).set(share)
+        if report.prefill_seconds_per_token is not None:
+            self._cost[engine_idx] = report.prefill_seconds_per_token
+            self.prefill_cost.labels(*labels).set(report.prefill_seconds_per_token)
+            for (engine, child), tokens in list(self._unpriced.items()):
+                if engine == engine_idx:
+                    self.loaded(engine, child, tokens)
+                    del self._unpriced[(engine, child)]
+
+    def loaded(self, engine_idx: int, child: str, tokens: int) -> None:
+        """``child`` was chosen to load ``tokens`` tokens."""
+        if (cost := self._cost.get(engine_idx)) is None:
+            self._unpriced[(engine_idx, child)] = self._unpriced.get((engine_idx, child), 0) + tokens
+            return
+        self.saved.labels(*self._labels[engine_idx], child).inc(tokens * cost)

@@ -1,0 +1,99 @@
+"""A flushed shutdown: spans of requests that finished before `vllm serve` got SIGTERM (or an offline LLM was shut
+down) reach the collector within the flush time, and kvcompose leaves nothing behind in /dev/shm.
+
+On SIGTERM, vLLM's API server gives its engine core no time (``--shutdown-timeout`` 0): it SIGKILLs the engine
+core's whole process tree at once (vllm/v1/utils.py ``shutdown`` -> ``kill_process_tree``); the connector's
+``shutdown()`` never runs. Offline, ``LLM`` shutdown SIGTERMs the engine core and kills it after 5 s; its
+workers' teardown takes most of that."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcompose.testing.tiny_model import prompt_words
+
+from .served_tracing import (
+    any_exporter_left,
+    descendants,
+    kvcompose_files_of,
+    settled_spans,
+    span_names,
+    start_traced_server,
+    traced_completion,
+)
+from .span_engine import exporter_pids, server_exporter_pids
+from .span_support import wait_until
+
+pytestmark = pytest.mark.engine
+
+FLUSH_S = 2.0  # tracing.shutdown_flush_s's default
+
+
+def test_spans_of_requests_finished_before_sigterm_to_vllm_serve_reach_the_collector(
+    tiny_model: Path, tmp_path: Path,
+) -> None:
+    server, receiver = start_traced_server(tiny_model, tmp_path, module="tests.serve_command")
+    try:
+        traces = {traced_completion(server, prompt_words(seed=900 + index, length=40))[0] for index in range(3)}
+        engine_processes = descendants(server.process.pid)
+        exporters = server_exporter_pids(server.process.pid)
+        assert kvcompose_files_of(engine_processes)  # their live files
+        time.sleep(1)
+        server.process.send_signal(signal.SIGTERM)
+        terminated = time.monotonic()
+
+        def every_request_span_arrived() -> bool:
+            return span_names(settled_spans(receiver, traces, quiet_s=0, timeout_s=0))["kvcompose.request"] == 3
+
+        wait_until(every_request_span_arrived, timeout_s=FLUSH_S, poll_s=0.05)
+        arrived_s = time.monotonic() - terminated
+        server.process.wait(60)
+        spans = settled_spans(receiver, traces, quiet_s=1.0)
+        wait_until(lambda: not any_exporter_left(exporters), timeout_s=FLUSH_S + 5)
+    finally:
+        server.stop()
+        receiver.stop()
+    assert arrived_s < FLUSH_S
+    per_trace = [span_names([span for span in spans if span.trace_id == trace]) for trace in traces]
+    assert per_trace[0] == per_trace[1] == per_trace[2] and per_trace[0]["kvcompose.save"] == 2, per_trace
+    assert kvcompose_files_of(engine_processes) == set()
+
+
+def test_spans_of_requests_finished_before_an_offline_llm_shutdown_reach_the_collector(
+    tiny_model: Path, tmp_path: Path,
+) -> None:
+    from kvcompose.config import load_pipeline
+    from kvcompose.render import kv_transfer_config
+
+    from .engine_support import generate, start_llm
+    from .otlp_support import start_receiver
+
+    receiver = start_receiver()
+    pipeline = {"version": 1, "name": "offline", "children": [
+        {"name": "hot", "connector": "ExampleConnector", "config": {"shared_storage_path": str(tmp_path / "hot")}}],
+        "tracing": {"enabled": True, "sample_ratio": 1.0, "endpoint": receiver.endpoint}}
+    try:
+        llm = start_llm(tiny_model, kv_transfer_config(load_pipeline(pipeline), pipeline))
+        generate(llm, [prompt_words(seed=950 + index, length=40) for index in range(3)])
+        engine_processes = descendants(os.getpid())
+        exporters = [pid for engine in engine_processes for pid in exporter_pids(engine)]
+        time.sleep(1)
+        began = time.monotonic()
+        llm.llm_engine.engine_core.shutdown()
+        shutdown_s = time.monotonic() - began
+
+        def request_spans() -> int:
+            return sum(1 for span in receiver.received() if span.name == "kvcompose.request")
+
+        wait_until(lambda: request_spans() == 3, timeout_s=FLUSH_S)
+        wait_until(lambda: not any_exporter_left(exporters), timeout_s=FLUSH_S + 5)
+    finally:
+        receiver.stop()
+    assert shutdown_s < 5.5, "kvcompose's shutdown must not hold vLLM's (it kills the engine core after 5 s)"
+    assert request_spans() == 3 and len(exporters) == 2  # the engine core's and the worker's
+    assert kvcompose_files_of(engine_processes) == set()
