@@ -11,6 +11,7 @@ serves a repeated prompt from the offload child's file-backed host buffer.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from kvcompose.offload.compat import (
     require_offload_api,
 )
 from kvcompose.offload.copy_log import CopyLog
-from kvcompose.offload.host_buffer import HostBuffer, HostBufferInUseError
+from kvcompose.offload.host_buffer import HostBuffer
 
 PAGE = 4096  # bytes per engine block and tensor in the unit tests
 
@@ -219,7 +220,8 @@ def test_cpu_bytes_to_use_bounds_the_host_buffer(tmp_path: Path) -> None:
     worker = spec.get_worker(_canonical(_engine_tensors(4, [PAGE, PAGE])))
     try:
         assert worker is spec.get_worker(_canonical(_engine_tensors(4, [PAGE, PAGE])))  # one per spec
-        assert (tmp_path / "offload-dp0-rank0.bin").stat().st_size == 10 * chunk <= budget
+        buffer_file = buffer_files(os.getpid(), tmp_path)[0]
+        assert buffer_file.stat().st_size == 10 * chunk <= budget
     finally:
         worker.shutdown()
 
@@ -231,31 +233,42 @@ def test_cpu_bytes_to_use_bounds_the_host_buffer(tmp_path: Path) -> None:
         understated.get_worker(_canonical(_engine_tensors(4, [PAGE, PAGE])))
 
 
-def test_file_backed_buffer_persists_and_loads_back(tmp_path: Path) -> None:
-    path = tmp_path / "host.bin"
+def buffer_files(pid: int, directory: Path) -> list[Path]:
+    """The offload buffer files process ``pid`` has open in ``directory`` (they have no name there: only the
+    process's own /proc/<pid>/fd reaches them)."""
+    found = []
+    for link in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(link)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith(f"{directory}/"):
+            found.append(link)
+    return found
+
+
+def test_a_file_backed_buffer_round_trips_and_has_no_name_to_truncate_or_replace(tmp_path: Path) -> None:
     engine = _engine_tensors(6, [PAGE, PAGE], seed=3)
     original = [t.clone() for t in engine]
-    worker = _worker(engine, HostBuffer([PAGE, PAGE], num_chunks=6, path=path), blocks_per_chunk=1)
-    with pytest.raises(HostBufferInUseError, match="in use by another worker"):
-        HostBuffer([PAGE, PAGE], num_chunks=6, path=path)
-    worker.submit_store(1, _engine_spec([4, 2]), _chunks([0, 5]))
-    worker.wait({1})
-    worker.shutdown()  # flushes and unlocks
-
-    on_disk = np.fromfile(path, dtype=np.int8).reshape(2, 6, PAGE)  # tensor, chunk, bytes
-    for index, before in enumerate(original):
-        assert np.array_equal(on_disk[index, 0], before[4].numpy())
-        assert np.array_equal(on_disk[index, 5], before[2].numpy())
-
-    fresh = [torch.zeros_like(t) for t in engine]
-    reopened = _worker(fresh, HostBuffer([PAGE, PAGE], num_chunks=6, path=path), blocks_per_chunk=1)
+    worker = _worker(engine, HostBuffer([PAGE, PAGE], num_chunks=6, directory=tmp_path), blocks_per_chunk=1)
     try:
-        reopened.submit_load(2, _chunks([5, 0]), _engine_spec([0, 1]))
-        reopened.wait({2})
+        assert list(tmp_path.iterdir()) == []  # nothing to truncate, replace or leave behind
+        buffer_file = buffer_files(os.getpid(), tmp_path)[0]  # (the mapping holds a descriptor of its own)
+        worker.submit_store(1, _engine_spec([4, 2]), _chunks([0, 5]))
+        worker.wait({1})
+        in_file = np.fromfile(buffer_file, dtype=np.int8).reshape(2, 6, PAGE)  # tensor, chunk, bytes: shared
+        for index, before in enumerate(original):
+            assert np.array_equal(in_file[index, 0], before[4].numpy())
+            assert np.array_equal(in_file[index, 5], before[2].numpy())
+        for tensor in engine:
+            tensor.zero_()
+        worker.submit_load(2, _chunks([5, 0]), _engine_spec([0, 1]))
+        worker.wait({2})
     finally:
-        reopened.shutdown()
-    for tensor, before in zip(fresh, original):
+        worker.shutdown()
+    for tensor, before in zip(engine, original):
         assert torch.equal(tensor[0], before[2]) and torch.equal(tensor[1], before[4])
+    assert buffer_files(os.getpid(), tmp_path) == [] and list(tmp_path.iterdir()) == []
 
 
 # --- unsupported vLLM --------------------------------------------------------------------------------------
@@ -347,8 +360,18 @@ def _series_total(name: str, **labels: str) -> float:
                if sample.name == name and labels.items() <= sample.labels.items())
 
 
+def _engine_buffer_file(directory: Path) -> Path:
+    """The offload child's buffer file, as its worker process has it open (/proc/<pid>/fd/<n>)."""
+    import psutil
+
+    found = [path for process in psutil.Process().children(recursive=True)
+             for path in buffer_files(process.pid, directory)]
+    assert found, f"no process of this engine has a buffer file open in {directory}"
+    return found[0]
+
+
 def _overwrite(path: Path, data: bytes) -> None:
-    """Write in place: truncating a file the engine has mapped would crash it (SIGBUS)."""
+    """Write in place (without truncating the file)."""
     with path.open("r+b") as file:
         file.write(data)
 
@@ -370,7 +393,8 @@ def test_a_repeated_prompt_is_served_from_the_file_backed_offload_child(
     tokens, cached = generate(offload_llm, [prompt])[0]
     assert tokens == baseline and cached == 0
     assert any(offload_dirs["disk"].rglob("*.safetensors"))  # the disk child saved too
-    buffer = offload_dirs["host"] / "offload-dp0-rank0.bin"
+    assert list(offload_dirs["host"].iterdir()) == []  # the buffer's file has no name there
+    buffer = _engine_buffer_file(offload_dirs["host"])
     assert 0 < buffer.stat().st_size <= BUDGET
 
     time.sleep(1)  # stats reach the front-end with the next update
@@ -402,3 +426,30 @@ def test_a_repeated_prompt_is_served_from_the_file_backed_offload_child(
     finally:
         _overwrite(buffer, pristine)
     assert generate(offload_llm, [prompt])[0] == (baseline, full_blocks * BLOCK_TOKENS)
+
+
+@pytest.mark.engine
+def test_truncating_the_buffer_by_path_mid_run_cannot_reach_the_engine(
+    offload_llm: Any, plain_llm: Any, offload_dirs: dict[str, Path],
+) -> None:
+    """Truncating a file mapped MAP_SHARED makes the next copy into it fault (SIGBUS): the worker died, and every
+    later request failed. The buffer's file has no name now: what an operator truncates by path is not it."""
+    from kvcompose.testing.tiny_model import prompt_words
+
+    from .engine_support import generate
+
+    prompts = [prompt_words(seed=40 + index, length=300) for index in range(3)]
+    baselines = [tokens for tokens, _ in generate(plain_llm, prompts)]
+    full_blocks = len(offload_llm.get_tokenizer().encode(prompts[0])) // BLOCK_TOKENS
+    assert [tokens for tokens, _ in generate(offload_llm, prompts[:1])] == baselines[:1]
+    hit = (baselines[0], full_blocks * BLOCK_TOKENS)
+    assert generate(offload_llm, prompts[:1])[0] == hit  # from the offload child
+
+    host = offload_dirs["host"]
+    assert list(host.iterdir()) == []
+    for name in ("offload-dp0-rank0.bin", "buffer"):  # the old file's name, and any other
+        with (host / name).open("wb") as file:
+            file.truncate(0)
+    assert _engine_buffer_file(host).stat().st_size > 0
+    assert generate(offload_llm, prompts[:1])[0] == hit  # still loaded from the offload child, intact
+    assert [tokens for tokens, _ in generate(offload_llm, prompts)] == baselines

@@ -273,3 +273,46 @@ def test_repeated_problems_log_at_most_n_lines_per_interval(
     # A problem already logged is not logged again, whatever the rate allows.
     now[0] = 200.0
     assert send(range(60, 61)) == []
+
+
+def _nested(depth: int, make: Callable[[Any], Any]) -> Any:
+    value: Any = "leaf"
+    for _ in range(depth):
+        value = make(value)
+    return value
+
+
+@pytest.mark.parametrize("make", [lambda inner: {"x": inner}, lambda inner: [inner]], ids=["objects", "arrays"])
+def test_an_entry_nested_thousands_deep_is_logged_with_its_hash_not_a_recursion_error(
+    prefill_shape: PipelineShape, rendered: _Rendered, make: Callable[[Any], Any],
+) -> None:
+    """kv_transfer_params come from request bodies: JSON nested past Python's recursion limit (1000) must not
+    raise from the pairing check (json.dumps did). vLLM itself refuses such a request (see docs/failures.md)."""
+    deep, deeper = _nested(5000, make), _nested(5001, make)
+    check = PairingCheck(prefill_shape)
+    check.check({**HANDOFF, PAIRING_KEY: deep})
+    check.check({**HANDOFF, PAIRING_KEY: {"pipeline": "p", "hybrid_kv_cache_manager": False, "children": deep}})
+    lines = rendered.text.splitlines()
+    assert len(lines) == 2 and all("malformed 'kvcompose' entry" in line for line in lines)
+    assert f"entry_sha256={entry_hash(deep)}" in lines[0]
+    assert entry_hash(deep) == entry_hash(_nested(5000, make)) != entry_hash(deeper)
+
+
+def test_a_composite_checks_deeply_nested_params_of_a_request_without_recursion(
+    vllm_config_with: Callable, tmp_path: Path,
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from kvcompose.connectors import KVComposeConnector
+
+    pipeline = {"version": 1, "name": "decode", "children": [
+        {"name": "store", "connector": "ExampleConnector", "config": {"shared_storage_path": str(tmp_path)}}]}
+    config = vllm_config_with({"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
+                               "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
+    composite = KVComposeConnector(config, KVConnectorRole.SCHEDULER, None)
+    params = {**HANDOFF, PAIRING_KEY: _nested(3000, lambda inner: {"x": inner})}
+    request = Request("deep", list(range(1, 200)), SamplingParams(max_tokens=1, extra_args={
+        "kv_transfer_params": params}), None)
+    assert composite.get_num_new_matched_tokens(request, 0) == (0, False)

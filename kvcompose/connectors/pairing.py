@@ -24,7 +24,6 @@ remembered, and at most a few lines a minute (:class:`LogThrottle`).
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ PAIRING_KEY = "kvcompose"
 _NAME = re.compile(LABEL_SAFE_PATTERN)
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 MAX_REMOTE_CHILDREN = 64  # far more than any pipeline has; a longer list is not a pipeline description
+MAX_HASHED_VALUES = 10_000  # of a received entry, for its hash in the log (a description has a few dozen)
 
 HMA_ADVICE = (
     "The connector class in --kv-transfer-config decides it: KVComposeConnector turns it off, "
@@ -145,12 +145,32 @@ def _kind(value: Any) -> str:
 
 
 def entry_hash(entry: Any) -> str:
-    """A short hash of a received entry, to find the request's params without logging them."""
-    try:
-        text = json.dumps(entry, sort_keys=True, separators=(",", ":"))
-    except (TypeError, ValueError):
-        text = repr(entry)
-    return hashlib.sha256(text.encode("utf-8", "backslashreplace")).hexdigest()[:16]
+    """A short hash of a received entry, to find the request's params without logging them.
+
+    The entry comes from a request body: it is walked without recursion (a client may nest it hundreds of levels
+    deep, past Python's recursion limit) and at most :data:`MAX_HASHED_VALUES` of its values are read."""
+    digest = hashlib.sha256()
+    pending = [entry]
+    for _ in range(MAX_HASHED_VALUES):
+        if not pending:
+            break
+        value = pending.pop()
+        if isinstance(value, Mapping):
+            digest.update(b"{%d" % len(value))
+            for key in sorted(value, key=str):
+                digest.update(_hashed_scalar(key))
+                pending.append(value[key])
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"[%d" % len(value))
+            pending.extend(reversed(value))
+        else:
+            digest.update(_hashed_scalar(value))
+    return digest.hexdigest()[:16]
+
+
+def _hashed_scalar(value: Any) -> bytes:
+    text = str(value) if isinstance(value, (str, int, float, bool, type(None))) else ""
+    return f"{type(value).__name__}:{len(text)}:{text}".encode("utf-8", "backslashreplace")
 
 
 def mismatches(local: PipelineShape, remote: PipelineShape) -> list[str]:

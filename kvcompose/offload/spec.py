@@ -11,7 +11,7 @@ Name it in an ``OffloadingConnector`` child's config::
     spec_name: CPUEngineOffloadingSpec
     spec_module_path: kvcompose.offload.spec
     cpu_bytes_to_use: 268435456          # host bytes for the whole engine (all workers)
-    host_buffer_dir: /var/cache/kv       # optional: map the buffer onto files here
+    host_buffer_dir: /var/cache/kv       # optional: map the buffer onto unnamed files here
 
 Importing this module checks the installed vLLM for every API the spec
 uses and raises :class:`~kvcompose.offload.compat.UnsupportedVLLMError`
@@ -67,13 +67,10 @@ class CPUEngineOffloadingSpec(CPUOffloadingSpec):
             self._copy_worker = self._create_copy_worker(kv_caches)
         return self._copy_worker
 
-    def host_buffer_path(self) -> Path | None:
-        """This worker's buffer file under ``host_buffer_dir``, or None for a buffer in RAM."""
+    def host_buffer_directory(self) -> Path | None:
+        """Where this worker's buffer file lives (``host_buffer_dir``), or None for a buffer in RAM."""
         directory = self.extra_config.get(HOST_BUFFER_DIR_KEY)
-        if not directory:
-            return None
-        parallel = self.config.parallel
-        return Path(directory) / f"offload-dp{parallel.data_parallel_index}-rank{parallel.rank}.bin"
+        return Path(directory) if directory else None
 
     def _create_copy_worker(self, kv_caches: CanonicalKVCaches) -> ThreadedCopyWorker:
         engine_tensors = [entry.tensor for entry in kv_caches.tensors]
@@ -84,9 +81,9 @@ class CPUEngineOffloadingSpec(CPUOffloadingSpec):
                 f"{self.num_chunks} offload chunks of {sum(chunk_bytes)} bytes exceed this worker's share "
                 f"({budget} bytes) of cpu_bytes_to_use"
             )
-        host = HostBuffer(chunk_bytes, self.num_chunks, self.host_buffer_path())
+        host = HostBuffer(chunk_bytes, self.num_chunks, self.host_buffer_directory())
         log.info("offload host buffer", bytes=host.nbytes, chunks=self.num_chunks,
-                 blocks_per_chunk=self.blocks_per_chunk, file=str(host.path) if host.path else None)
+                 blocks_per_chunk=self.blocks_per_chunk, directory=str(host.directory) if host.directory else None)
         try:
             return ThreadedCopyWorker(engine_tensors, host, kv_caches.group_data_refs, self.blocks_per_chunk)
         except Exception:

@@ -118,6 +118,7 @@ class ThreadedCopyWorker(OffloadingWorker):
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
+        self._host_rows = []  # the last views of a file-backed buffer: it is unmapped with them
         self._host.close()
 
     def _run(self) -> None:
