@@ -158,16 +158,16 @@ def measure() -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| prompt blocks | vLLM hashing us/request | record_hashes us/request | / hashing | "
-             "block_keys + record us/request | / hashing | rate |",
+    lines = [("| prompt blocks | vLLM hashing us/request | record_hashes us/request | / hashing | "
+              "block_keys + record us/request | / hashing | rate |"),
              "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {row['prompt_blocks']} | {row['vllm_hashing_us']:.0f} | {row['sampler_us']:.2f} | "
               f"{row['percent']:.2f}% {'ok' if row['percent'] <= result['target_percent'] else 'OVER'} | "
               f"{row['via_keys_us']:.2f} | {row['via_keys_percent']:.2f}% | 1/{1 / row['rate']:.0f} |"
               for row in result["cost"]]
     settling = result["settling"]
-    lines += ["", f"Settling from rate 1 to 1/{1 / settling['rate']:.0f}: {settling['cpu_s']:.2f} CPU s over "
-                  f"{settling['block_references']:,} block references (once per engine).", "",
+    lines += ["", (f"Settling from rate 1 to 1/{1 / settling['rate']:.0f}: {settling['cpu_s']:.2f} CPU s over "
+                   f"{settling['block_references']:,} block references (once per engine)."), "",
               "| requests (100 new blocks each) | sampler memory MiB | tracked keys | rate |", "| --- | --- | --- | --- |"]
     lines += [f"| {row['requests']:,} | {row['memory_bytes'] / 2**20:.2f} | {row['tracked_keys']} | "
               f"{row['rate']:.2e} |" for row in result["memory"]]

@@ -211,8 +211,7 @@ class ReuseDistanceSampler:
                 rank = bisect_left(ticks, previous >> flag_bits)
                 depth = len(ticks) - 1 - rank  # tracked keys used since: the sampled reuse distance
                 del ticks[rank]
-                if depth > deepest:
-                    depth = deepest
+                depth = min(depth, deepest)
                 distances[bin_of_depth[depth]] += weight
                 flags = written_at_depth[depth]
                 # Reaches the block was written to at its last reference and that serve this distance.
@@ -336,7 +335,9 @@ class ReuseDistanceSampler:
         bit = 1 << self.reaches.index(reach)
         written = sum(weight for flags, weight in enumerate(self._written_by_flags) if flags & bit)
         read = sum(weight for flags, weight in enumerate(self._read_by_flags) if flags & bit)
-        return (written - read) / written if written > 0 else math.nan
+        # A read weighs as of when it happened, its write as of earlier: under the window's decay a read can
+        # outweigh its write by 2 ** (gap / half-life), a hair for gaps of minutes under an hour's half-life.
+        return max(0.0, (written - read) / written) if written > 0 else math.nan
 
     def memory_bytes(self) -> int:
         """Bytes held by the sampler's containers and the integers in them (CPython's own sizes)."""

@@ -1,0 +1,255 @@
+"""Per-tier advice from observations: what each tier is worth now, and what another size would be worth.
+
+- Value: prefill seconds saved per second (the tokens a tier loaded times the
+  engine's measured prefill cost per token) net of the engine wait the tier
+  caused, loads and saves both: a tier whose saves hold the forward pass
+  costs that time even when nothing is loaded back. Net negative, advise
+  exits 1.
+- Size: the curve says which share of prompt blocks an LRU cache of each size
+  would serve. A tier serves the reuse distances in its reach (``sizes.tier_reaches``:
+  past the GPU cache and earlier tiers). Where the curve reaches 90% of its
+  ceiling is the knee; a tier whose reach ends before it should grow to it,
+  one whose reach ends past twice the knee could shrink to it. The marginal
+  hit ratio per extra GiB is the curve's slope from the reach's end to the
+  next size the curve was read at.
+- Policy: tokens ``longest_match`` would have loaded beyond what the
+  configured policy loaded, per child that had them.
+
+Every recommendation carries the figures it rests on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcompose.economics.curve import Curve
+from kvcompose.economics.observations import DIRECTIONS, Observations, TierAmounts
+from kvcompose.economics.sizes import Reach, blocks_to_gib, tier_reaches
+from kvcompose.top import quantile
+
+KNEE = 0.9  # the share of the curve's ceiling that marks where it flattens
+SHRINK_PAST_KNEE = 2.0  # a reach ending this many times past the knee is worth shrinking
+HIGH_WRITE_WASTE = 0.9
+POLICY_SHARE = 0.05  # forgone tokens, as a share of the tokens the tier loaded, worth a policy change
+COPY_QUANTILE = 0.99
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    kind: str  # net_negative | grow | shrink | size_ok | past_the_knee | serves_nothing | write_waste | load_policy
+    text: str
+    figures: dict[str, float | None]
+
+
+@dataclass(frozen=True)
+class CopyFigures:
+    p99_s: float | None
+    moved_bytes_per_s: float | None  # over the span
+    copy_bytes_per_s: float | None  # while copying: bytes over the mover's copy time
+
+
+@dataclass
+class TierAdvice:
+    name: str
+    connector_class: str | None
+    hit_ratio: float | None
+    lookups: float
+    tokens_per_s: float | None
+    prefill_saved_s_per_s: float | None
+    engine_wait_s_per_s: dict[str, float | None]
+    net_s_per_s: float | None
+    net_negative: bool
+    copy: dict[str, CopyFigures]
+    capacity_blocks: float | None
+    capacity_gib: float | None
+    reach: Reach | None
+    curve_share: float | None  # of prompt blocks, by the curve: hit(reach end) - hit(reach start)
+    marginal_hit_ratio_per_gib: float | None
+    write_waste: float | None
+    tokens_forgone_per_s: float | None
+    recommendations: list[Recommendation] = field(default_factory=list)
+
+
+@dataclass
+class Advice:
+    source: str
+    span_s: float | None
+    span_meaning: str
+    gpu_blocks: float | None
+    block_bytes: float | None
+    prefill_s_per_token: float | None
+    prompt_tokens_per_s: float | None
+    curve: Curve | None
+    knee_blocks: int | None  # where the curve reaches KNEE of its ceiling
+    tiers: list[TierAdvice]
+
+    @property
+    def net_negative(self) -> list[str]:
+        return [tier.name for tier in self.tiers if tier.net_negative]
+
+
+def advise(observations: Observations) -> Advice:
+    curve = Curve.from_points(observations.curve_points)
+    knee = round(curve.size_reaching(KNEE)) if curve is not None and curve.ceiling > 0 else None
+    tiers = observations.ordered_tiers()
+    reaches = (tier_reaches(int(observations.gpu_blocks), [_blocks(tier) for tier in tiers])
+               if observations.gpu_blocks is not None else [None] * len(tiers))
+    advice = Advice(observations.source, observations.span_s, observations.span_meaning, observations.gpu_blocks,
+                    observations.block_bytes, observations.prefill_s_per_token,
+                    _per_second(observations.prompt_tokens, observations.span_s), curve, knee, [])
+    advice.tiers = [_tier(advice, tier, reach) for tier, reach in zip(tiers, reaches, strict=True)]
+    return advice
+
+
+def _blocks(tier: TierAmounts) -> int | None:
+    return int(tier.capacity_blocks) if tier.capacity_blocks is not None else None
+
+
+def _per_second(amount: float | None, span_s: float | None) -> float | None:
+    return amount / span_s if amount is not None and span_s else None
+
+
+def _gib(advice: Advice, blocks: float | None) -> float | None:
+    return blocks_to_gib(blocks, int(advice.block_bytes)) if blocks is not None and advice.block_bytes else None
+
+
+def _tier(advice: Advice, tier: TierAmounts, reach: Reach | None) -> TierAdvice:
+    span = advice.span_s
+    waits = {direction: tier.directions[direction].engine_wait_s for direction in DIRECTIONS}
+    wait_total = sum(waits.values())
+    saved = tier.prefill_saved_s
+    figures = TierAdvice(
+        name=tier.name, connector_class=tier.connector_class,
+        hit_ratio=tier.hits / tier.lookups if tier.lookups else None, lookups=tier.lookups,
+        tokens_per_s=_per_second(tier.loaded_tokens, span),
+        prefill_saved_s_per_s=_per_second(saved, span),
+        engine_wait_s_per_s={direction: _per_second(wait, span) for direction, wait in waits.items()},
+        net_s_per_s=_per_second(saved - wait_total, span) if saved is not None else None,
+        net_negative=saved is not None and saved < wait_total,
+        copy={direction: _copy(tier, direction, span) for direction in DIRECTIONS},
+        capacity_blocks=tier.capacity_blocks, capacity_gib=_gib(advice, tier.capacity_blocks), reach=reach,
+        curve_share=(advice.curve.at(reach.end) - advice.curve.at(reach.start)
+                     if advice.curve is not None and reach is not None else None),
+        marginal_hit_ratio_per_gib=None, write_waste=tier.write_waste,
+        tokens_forgone_per_s=_per_second(tier.forgone_tokens, span))
+    if figures.net_negative:
+        figures.recommendations.append(_net_negative(figures, saved or 0.0, waits))
+    curve, knee = advice.curve, advice.knee_blocks
+    if curve is not None and knee is not None and advice.gpu_blocks is not None and tier.capacity_blocks is not None:
+        figures.recommendations.append(_sizing(advice, figures, curve, knee))
+    if tier.write_waste is not None and tier.write_waste >= HIGH_WRITE_WASTE:
+        figures.recommendations.append(Recommendation(
+            "write_waste", f"{tier.write_waste:.0%} of the blocks written to it are not read from it before "
+            f"they leave it (at or above {HIGH_WRITE_WASTE:.0%}): its saves buy little at this size; the saves "
+            f"held the engine {_seconds_per_second(figures.engine_wait_s_per_s['save'])}",
+            {"write_waste": tier.write_waste, "save_wait_s_per_s": figures.engine_wait_s_per_s["save"]}))
+    if tier.forgone_tokens > 0 and tier.forgone_tokens >= POLICY_SHARE * tier.loaded_tokens:
+        figures.recommendations.append(_load_policy(advice, figures, tier))
+    return figures
+
+
+def _copy(tier: TierAmounts, direction: str, span: float | None) -> CopyFigures:
+    amounts = tier.directions[direction]
+    return CopyFigures(quantile(COPY_QUANTILE, amounts.copy_buckets.items()), _per_second(amounts.bytes, span),
+                       amounts.bytes / amounts.copy_s if amounts.copy_s > 0 else None)
+
+
+def _net_negative(tier: TierAdvice, saved: float, waits: dict[str, float]) -> Recommendation:
+    wait = sum(waits.values())
+    return Recommendation(
+        "net_negative",
+        f"net negative: it saved {saved:.3g} s of prefill but held the engine {wait:.3g} s (loads {waits['load']:.3g}, "
+        f"saves {waits['save']:.3g}); turn it off, or make its transfers asynchronous, before rolling it out",
+        {"prefill_saved_s": saved, "engine_wait_load_s": waits["load"], "engine_wait_save_s": waits["save"],
+         "net_s_per_s": tier.net_s_per_s})
+
+
+def _sizing(advice: Advice, tier: TierAdvice, curve: Curve, knee: int) -> Recommendation:
+    if tier.reach is None:
+        return Recommendation(
+            "serves_nothing", "by the curve it serves no reuse distance: an earlier tier is at least as large "
+            "(every tier holds the last blocks written, and the first to have a block loads it), or an earlier "
+            "tier's size is unknown", {"capacity_blocks": tier.capacity_blocks})
+    start, end = tier.reach.start, tier.reach.end
+    upper = curve.next_size_above(end)
+    if upper is not None and advice.block_bytes:
+        tier.marginal_hit_ratio_per_gib = (curve.at(upper) - curve.at(end)) / blocks_to_gib(
+            upper - end, int(advice.block_bytes))
+    figures: dict[str, float | None] = {
+        "reach_start_blocks": start, "reach_end_blocks": end, "knee_blocks": knee, "ceiling": curve.ceiling,
+        "hit_ratio_at_reach_end": curve.at(end), "marginal_hit_ratio_per_gib": tier.marginal_hit_ratio_per_gib}
+    where = (f"with the caches above it, it reaches {end:,} blocks (hit ratio {curve.at(end):.3f}); the curve "
+             f"reaches {KNEE:.0%} of its ceiling {curve.ceiling:.3f} at {knee:,.0f} blocks{gib_text(advice, knee)}")
+    if knee <= start:
+        return Recommendation(
+            "past_the_knee", f"the caches above it already reach the knee: {where}; it adds "
+            f"{curve.at(end) - curve.at(start):.3f} of prompt blocks{_marginal_text(tier)}", figures)
+    target = knee - start
+    figures["recommended_capacity_blocks"] = target
+    figures["recommended_capacity_gib"] = _gib(advice, target)
+    change = f"{target:,} blocks ({_gib_change(advice, target, target - (tier.capacity_blocks or 0))})"
+    if end < knee:
+        gain = curve.at(knee) - curve.at(end)
+        figures["hit_ratio_gain"] = gain
+        figures["prefill_s_per_s_gain"] = _prefill_value(advice, gain)
+        return Recommendation("grow", f"grow it to {change}: {where}; the hit ratio would rise by {gain:.3f}"
+                              f"{_value_text(advice, gain)}{_marginal_text(tier)}", figures)
+    if end >= SHRINK_PAST_KNEE * knee:
+        loss = curve.at(end) - curve.at(knee)
+        figures["hit_ratio_loss"] = loss
+        figures["prefill_s_per_s_loss"] = _prefill_value(advice, loss)
+        return Recommendation("shrink", f"it could shrink to {change}: {where}, and it ends past "
+                              f"{SHRINK_PAST_KNEE:g}x that; the hit ratio would fall by {loss:.3f}"
+                              f"{_value_text(advice, loss)}{_marginal_text(tier)}", figures)
+    return Recommendation("size_ok", f"its size is right for the traffic: {where}, and it ends within "
+                          f"{SHRINK_PAST_KNEE:g}x that{_marginal_text(tier)}", figures)
+
+
+def _load_policy(advice: Advice, tier: TierAdvice, amounts: TierAmounts) -> Recommendation:
+    value = (amounts.forgone_tokens * advice.prefill_s_per_token if advice.prefill_s_per_token is not None
+             else None)
+    per_second = f" ({tier.tokens_forgone_per_s:.3g} tokens/s)" if tier.tokens_forgone_per_s is not None else ""
+    worth = f", worth {value:.3g} s of prefill" if value is not None else ""
+    return Recommendation(
+        "load_policy", f"load.policy longest_match would have loaded {amounts.forgone_tokens:,.0f} more tokens from "
+        f"it{per_second}{worth}, {_share(amounts.forgone_tokens, amounts.loaded_tokens)} of what it loaded; "
+        f"consider it if asking every child per request costs less", {
+            "tokens_forgone": amounts.forgone_tokens, "tokens_loaded": amounts.loaded_tokens,
+            "prefill_s_forgone": value})
+
+
+def _prefill_value(advice: Advice, hit_ratio: float) -> float | None:
+    """Prefill seconds per second that ``hit_ratio`` more of the prompt blocks would save."""
+    if advice.prompt_tokens_per_s is None or advice.prefill_s_per_token is None:
+        return None
+    return hit_ratio * advice.prompt_tokens_per_s * advice.prefill_s_per_token
+
+
+def _value_text(advice: Advice, hit_ratio: float) -> str:
+    value = _prefill_value(advice, hit_ratio)
+    return f", {value:.3g} s of prefill per second at today's {advice.prompt_tokens_per_s:,.0f} prompt tokens/s" \
+        if value is not None else ""
+
+
+def _marginal_text(tier: TierAdvice) -> str:
+    marginal = tier.marginal_hit_ratio_per_gib
+    return f"; at its size each extra GiB adds {marginal:.4f} to the hit ratio" if marginal is not None else ""
+
+
+def gib_text(advice: Advice, blocks: float | None) -> str:
+    """`` (N GiB)`` for ``blocks``, or nothing when the block size (or the count) is unknown."""
+    gib = _gib(advice, blocks)
+    return f" ({gib:,.1f} GiB)" if gib is not None else ""
+
+
+def _gib_change(advice: Advice, blocks: float, change: float) -> str:
+    gib, gib_change = _gib(advice, blocks), _gib(advice, change)
+    return f"{gib:,.1f} GiB, {gib_change:+,.1f} GiB" if gib is not None else f"{change:+,.0f} blocks"
+
+
+def _seconds_per_second(value: float | None) -> str:
+    return f"{value:.3g} s/s" if value is not None else "an unknown time (no span)"
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.0%}" if whole else "all"
