@@ -40,8 +40,10 @@ class KVComposeMetadata(KVConnectorMetadata):
     # The step runs no forward pass (the engine is about to go idle, or waits): the workers credit every
     # operation's untimed calls in this step's stats (see kvcompose.instrumentation.sampling).
     flush_stats: bool = False
-    # Prompt tokens the step prefills: the workers measure the engine's prefill cost per token by them.
+    # Prompt tokens the step prefills and the requests it decodes: the workers fit the engine's prefill cost
+    # per token by them (kvcompose.instrumentation.economics).
     prefill_tokens: int = 0
+    decode_tokens: int = 0
 
 
 @dataclass

@@ -116,7 +116,10 @@ def _gib(advice: Advice, blocks: float | None) -> float | None:
 def _tier(advice: Advice, tier: TierAmounts, reach: Reach | None) -> TierAdvice:
     span = advice.span_s
     waits = {direction: tier.directions[direction].engine_wait_s for direction in DIRECTIONS}
-    wait_total = sum(waits.values())
+    # Net value: the prefill a tier's loads saved less the engine wait they caused. Its saves' wait is shown
+    # beside it (and in the write-waste advice), not netted: a tier that saves for another engine's loads
+    # pays for them here.
+    load_wait = waits["load"]
     saved = tier.prefill_saved_s
     figures = TierAdvice(
         name=tier.name, connector_class=tier.connector_class,
@@ -124,8 +127,8 @@ def _tier(advice: Advice, tier: TierAmounts, reach: Reach | None) -> TierAdvice:
         tokens_per_s=_per_second(tier.loaded_tokens, span),
         prefill_saved_s_per_s=_per_second(saved, span),
         engine_wait_s_per_s={direction: _per_second(wait, span) for direction, wait in waits.items()},
-        net_s_per_s=_per_second(saved - wait_total, span) if saved is not None else None,
-        net_negative=saved is not None and saved < wait_total,
+        net_s_per_s=_per_second(saved - load_wait, span) if saved is not None else None,
+        net_negative=saved is not None and saved < load_wait,
         copy={direction: _copy(tier, direction, span) for direction in DIRECTIONS},
         capacity_blocks=tier.capacity_blocks, capacity_gib=_gib(advice, tier.capacity_blocks), reach=reach,
         curve_share=(advice.curve.at(reach.end) - advice.curve.at(reach.start)
@@ -155,11 +158,11 @@ def _copy(tier: TierAmounts, direction: str, span: float | None) -> CopyFigures:
 
 
 def _net_negative(tier: TierAdvice, saved: float, waits: dict[str, float]) -> Recommendation:
-    wait = sum(waits.values())
     return Recommendation(
         "net_negative",
-        f"net negative: it saved {saved:.3g} s of prefill but held the engine {wait:.3g} s (loads {waits['load']:.3g}, "
-        f"saves {waits['save']:.3g}); turn it off, or make its transfers asynchronous, before rolling it out",
+        f"net negative: it saved {saved:.3g} s of prefill but its loads held the engine {waits['load']:.3g} s (its "
+        f"saves a further {waits['save']:.3g} s); turn it off, or make its transfers asynchronous, before rolling "
+        "it out",
         {"prefill_saved_s": saved, "engine_wait_load_s": waits["load"], "engine_wait_save_s": waits["save"],
          "net_s_per_s": tier.net_s_per_s})
 

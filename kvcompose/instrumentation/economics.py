@@ -9,22 +9,26 @@ tier's), and each tier's write waste; its first report adds the capacities
 (the GPU cache's blocks, and a tier's where its config says: vLLM's
 OffloadingConnector and kvcompose's CPU spec) and the bytes of a block.
 
-Worker side (:class:`PrefillCost`): the engine's cost of prefilling a token,
-from what the worker sees of each step: the time from binding a step's
-metadata to clearing it (its forward pass) less its children's blocking calls
-(engine wait, when the step is observed), over the prompt tokens the step
-prefills (the scheduler counts them into the metadata). Steps that prefill
-fewer than :data:`MIN_PREFILL_TOKENS` say too little and are left out; the
-estimate is an exponential moving average of the others, so it follows the
-engine's load. It includes the decode tokens those steps carry, so it reads
-a little high when prefills are mixed with many decodes.
+Worker side (:class:`PrefillCost`): the engine's marginal cost of prefilling
+a token, fitted to the steps the worker observes (those whose engine wait it
+knows). A step's forward pass, from binding its metadata to clearing it, less
+its children's blocking calls, is modelled as a fixed cost plus a cost per
+prefill token plus a cost per decode token (the scheduler counts both into the
+metadata), by least squares over the steps, exponentially weighted so the fit
+follows the engine's load. A load saves its tokens' compute, not the step's
+fixed cost (scheduling, sampling, launching the model): the prefill slope is
+what a loaded token is worth. Seconds over tokens would charge the fixed cost
+to the tokens, and on a small model, where the fixed cost is most of a step,
+would price a load at many times what it saves. A step far off the fit (the
+host was busy, a pause) is left out, so the fit follows the typical step. Until the steps' prefill
+sizes vary enough to tell the slope from the fixed cost, there is no estimate.
 """
 
 from __future__ import annotations
 
 import math
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvcompose.economics.sizes import bytes_to_blocks, size_grid, tier_reaches
 from kvcompose.economics.shards import ReuseDistanceSampler
@@ -36,8 +40,16 @@ if TYPE_CHECKING:
     from kvcompose.connectors.children import ChildSpec
 
 REPORT_EVERY_S = 5.0
-MIN_PREFILL_TOKENS = 16
-COST_SMOOTHING = 0.1  # weight of a new step in the prefill cost's moving average
+# The prefill cost's fit: a step's weight halves over this many later steps. It needs this many steps'
+# weight, and the steps' prefill sizes to spread (a standard deviation the decodes do not explain) by this
+# many tokens and this share of their mean.
+HALF_LIFE_STEPS = 500
+STEP_DECAY = 0.5 ** (1 / HALF_LIFE_STEPS)
+MIN_STEPS = 8
+MIN_PREFILL_SPREAD_TOKENS = 16
+MIN_PREFILL_SPREAD = 0.1
+# A step further off the fit than this many times the steps' mean deviation from it is left out.
+OUTLIER_DEVIATIONS = 3.0
 
 
 def tier_capacity_blocks(spec: ChildSpec, block_bytes: int) -> int | None:
@@ -88,26 +100,79 @@ class StreamSampler:
         return None if report.is_empty() else report
 
 
+class StepCost(NamedTuple):
+    """A fitted step: ``fixed + per_prefill_token * prefill tokens + per_decode * decodes`` seconds."""
+
+    fixed: float
+    per_prefill_token: float
+    per_decode: float
+
+    def of(self, prefill_tokens: int, decode_tokens: int) -> float:
+        return self.fixed + self.per_prefill_token * prefill_tokens + self.per_decode * decode_tokens
+
+
 class PrefillCost:
-    """The worker's estimate of the engine's prefill cost per token; see the module docstring."""
+    """The worker's fit of the engine's prefill cost per token; see the module docstring."""
 
     def __init__(self) -> None:
-        self.seconds_per_token: float | None = None
+        # Exponentially weighted sums over the steps, with p the prefill tokens, d the decode tokens and y the
+        # forward seconds: weight, p, d, y, p*p, d*d, p*d, p*y, d*y.
+        self._sums = [0.0] * 9
+        # The steps' typical distance from the fit (weighted mean of |residual|) and that mean's weight.
+        self._deviation = self._deviation_weight = 0.0
         self._reported: float | None = None
         self._next_report = 0.0
 
-    def step_ended(self, seconds: float, prefill_tokens: int) -> None:
-        """A step that prefilled ``prefill_tokens`` took ``seconds`` of forward pass."""
-        if prefill_tokens < MIN_PREFILL_TOKENS or seconds <= 0:
+    def step_ended(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
+        """A step that computed ``prefill_tokens`` prompt tokens and ``decode_tokens`` decodes took ``seconds``
+        of forward pass."""
+        if seconds <= 0 or prefill_tokens + decode_tokens <= 0:
             return
-        cost = seconds / prefill_tokens
-        previous = self.seconds_per_token
-        self.seconds_per_token = cost if previous is None else previous + COST_SMOOTHING * (cost - previous)
+        p, d, y = prefill_tokens, decode_tokens, seconds
+        if (fit := self.fit()) is not None:
+            # A step far off the fit (the host was busy, a pause) is left out of it. It still widens the
+            # spread, by as much as a step at its edge, so a lasting change in the engine's cost gets in.
+            distance = abs(y - fit.of(p, d))
+            outlier = False
+            if self._deviation_weight >= MIN_STEPS:
+                edge = OUTLIER_DEVIATIONS * self._deviation / self._deviation_weight
+                outlier, distance = distance > edge, min(distance, edge)
+            self._deviation = self._deviation * STEP_DECAY + distance
+            self._deviation_weight = self._deviation_weight * STEP_DECAY + 1.0
+            if outlier:
+                return
+        sums = self._sums
+        for index, value in enumerate((1.0, p, d, y, p * p, d * d, p * d, p * y, d * y)):
+            sums[index] = sums[index] * STEP_DECAY + value
+
+    def fit(self) -> StepCost | None:
+        """The steps' fitted cost; None until their prefill sizes tell its parts apart."""
+        weight, p, d, y, pp, dd, pd, py, dy = self._sums
+        if weight < MIN_STEPS:
+            return None
+        mean_p, mean_d, mean_y = p / weight, d / weight, y / weight
+        var_p, var_d = pp / weight - mean_p * mean_p, dd / weight - mean_d * mean_d
+        cov_pd = pd / weight - mean_p * mean_d
+        cov_py, cov_dy = py / weight - mean_p * mean_y, dy / weight - mean_d * mean_y
+        if var_d > 0:  # the prefill sizes' spread that the decodes do not explain
+            spread, slope_cov = var_p - cov_pd * cov_pd / var_d, cov_py - cov_pd * cov_dy / var_d
+        else:
+            spread, slope_cov = var_p, cov_py
+        if spread < max(MIN_PREFILL_SPREAD_TOKENS, MIN_PREFILL_SPREAD * mean_p) ** 2:
+            return None
+        per_prefill_token = slope_cov / spread
+        per_decode = (cov_dy - per_prefill_token * cov_pd) / var_d if var_d > 0 else 0.0
+        return StepCost(mean_y - per_prefill_token * mean_p - per_decode * mean_d, per_prefill_token, per_decode)
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """The fitted prefill cost per token (never below zero)."""
+        return None if (fit := self.fit()) is None else max(fit.per_prefill_token, 0.0)
 
     def report(self) -> EconomicsReport | None:
         """The estimate, at most every :data:`REPORT_EVERY_S` and when it changed."""
-        if self.seconds_per_token is None or self.seconds_per_token == self._reported or (
-                now := monotonic()) < self._next_report:
+        if ((now := monotonic()) < self._next_report or (cost := self.seconds_per_token) is None
+                or cost == self._reported):
             return None
-        self._next_report, self._reported = now + REPORT_EVERY_S, self.seconds_per_token
-        return EconomicsReport(prefill_seconds_per_token=self.seconds_per_token)
+        self._next_report, self._reported = now + REPORT_EVERY_S, cost
+        return EconomicsReport(prefill_seconds_per_token=cost)

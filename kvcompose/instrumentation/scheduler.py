@@ -157,8 +157,11 @@ class SchedulerInstrumentation(Instrumentation):
         if not scheduler_output.total_num_scheduled_tokens:  # no forward pass: idle, or waiting
             metadata.flush_stats = self._flush_at_take = True
         # A request scheduled more than one token prefills them (decodes schedule one each).
-        metadata.prefill_tokens = sum(tokens for tokens in scheduler_output.num_scheduled_tokens.values()
-                                      if tokens > 1)
+        for tokens in scheduler_output.num_scheduled_tokens.values():
+            if tokens > 1:
+                metadata.prefill_tokens += tokens
+            else:
+                metadata.decode_tokens += tokens
 
     def worker_output(self, worker_metadata: KVComposeWorkerMetadata | None) -> None:
         """What the workers' metadata of a step reports: the transfers of traced requests that ended."""

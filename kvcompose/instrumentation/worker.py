@@ -71,7 +71,7 @@ class WorkerInstrumentation(Instrumentation):
         # The engine's prefill cost per token, measured by the worker that tracks transfers (one is enough).
         self._prefill = PrefillCost() if self.tracker is not None and self.recorder.enabled else None
         self._bound_ns = 0  # when the step was bound
-        self._prefill_tokens = 0  # ... and the prompt tokens it prefills
+        self._computed = (0, 0)  # ... and the prompt tokens it prefills, the requests it decodes
         self._step_sampler = CallSampler(pipeline.metrics.sample_every) if self.recorder.enabled else None
         self._step = 0  # the bound step's number (load errors are counted by it)
         self._flush_at_take = False  # the next stats are flushed (a step without a forward pass)
@@ -96,7 +96,7 @@ class WorkerInstrumentation(Instrumentation):
         """The step's metadata is about to be bound: returns the calls the composite makes in this step."""
         assert self._plain is not None and self._observed is not None, "calls_for() comes first"
         self._step, self._flush_at_take = metadata.step, metadata.flush_stats
-        self._bound_ns, self._prefill_tokens = time_ns(), metadata.prefill_tokens
+        self._bound_ns, self._computed = time_ns(), (metadata.prefill_tokens, metadata.decode_tokens)
         traced = self.tracer is not None and self.tracer.begin_step(metadata.traced_requests)
         contexts = self.tracer.step_contexts() if traced else {}  # type: ignore[union-attr]
         moves = self.tracker is not None and self.tracker.begin_step(metadata, contexts)
@@ -115,16 +115,15 @@ class WorkerInstrumentation(Instrumentation):
         """The step's metadata was cleared: returns the calls made until the next step."""
         self.step_saves = False
         if self.tracker is not None:
-            waited = 0.0
             if weight := self.step_state.weight:  # an observed step: its blocking calls' time is engine wait
-                waits = self.tracker.waits
+                waited, waits = 0.0, self.tracker.waits
                 for spec in self.specs:
                     for direction in DIRECTIONS:
                         if seconds := waits.of(spec.index, direction):
                             self.transfer_recorder.waited(spec.index, direction, seconds * weight)
                             waited += seconds
-            if self._prefill is not None and self._prefill_tokens:
-                self._prefill.step_ended((time_ns() - self._bound_ns) / 1e9 - waited, self._prefill_tokens)
+                if self._prefill is not None:  # the forward pass, without the children's part of it
+                    self._prefill.step_ended((time_ns() - self._bound_ns) / 1e9 - waited, *self._computed)
             self.tracker.end_step()
         if self.tracer is not None:
             self.tracer.end_step()

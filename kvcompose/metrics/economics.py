@@ -87,7 +87,8 @@ class EconomicsSeries:
             labelnames=[*labelnames, "connector"], multiprocess_mode="mostrecent")
         self.prefill_cost = metric_types[Gauge](
             "kvcompose_prefill_seconds_per_token",
-            "The engine's measured cost of prefilling one token (forward time of prefill steps per prefill token).",
+            "The engine's marginal cost of prefilling one token, fitted online to its steps' forward time as a "
+            "fixed cost per step plus a cost per prefill token and per decode token.",
             labelnames=labelnames, multiprocess_mode="mostrecent")
         self.saved = metric_types[Counter](
             "kvcompose_prefill_seconds_saved_total",

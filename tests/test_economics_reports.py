@@ -1,0 +1,134 @@
+"""Tier economics between the engine and the front-end: what the scheduler and workers report, and the series.
+
+The sampler's accuracy is tests/test_economics_shards.py's; a real server's
+curve and saved seconds, tests/test_economics_serve.py's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvcompose.instrumentation.economics import PrefillCost, tier_capacity_blocks
+from kvcompose.metrics.economics import EconomicsReport, EconomicsSeries
+from kvcompose.metrics.stats import ECONOMICS_KEY, KVComposeStats
+
+
+def _series() -> tuple[EconomicsSeries, Callable[[str], dict[tuple[tuple[str, str], ...], float]]]:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    types: dict[type, Any] = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    series = EconomicsSeries(types, ["model_name", "engine"], {0: ["m", "0"]}, ["offload", "disk"])
+
+    def read(name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        return {tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine"))):
+                sample.value
+                for family in text_string_to_metric_families(generate_latest(registry).decode())
+                for sample in family.samples if sample.name == name}
+
+    return series, read
+
+
+def test_loads_are_priced_at_the_engines_prefill_cost_once_it_is_known() -> None:
+    series, read = _series()
+    series.loaded(0, "offload", 1000)  # before the workers measured a cost: kept
+    assert read("kvcompose_prefill_seconds_saved_total")[(("connector", "offload"),)] == 0
+    series.observe(EconomicsReport(prefill_seconds_per_token=2e-5), 0)
+    assert read("kvcompose_prefill_seconds_saved_total")[(("connector", "offload"),)] == pytest.approx(0.02)
+    series.observe(EconomicsReport(prefill_seconds_per_token=1e-5), 0)  # the cost moved: later loads at the new one
+    series.loaded(0, "offload", 500)
+    series.loaded(0, "disk", 100)
+    saved = read("kvcompose_prefill_seconds_saved_total")
+    assert saved[(("connector", "offload"),)] == pytest.approx(0.025)
+    assert saved[(("connector", "disk"),)] == pytest.approx(0.001)
+    assert read("kvcompose_prefill_seconds_per_token")[()] == 1e-5
+
+
+def test_the_curve_capacities_and_waste_become_gauges_and_a_moved_grid_leaves_no_stale_size() -> None:
+    series, read = _series()
+    series.observe(EconomicsReport(curve=[[256, 0.1], [512, 0.4]], capacities={"offload": 100, "gpu": 300},
+                                   block_bytes=4096, write_waste={"offload": 0.25}), 0)
+    assert read("kvcompose_cache_size_hit_ratio") == {(("size_blocks", "256"),): 0.1, (("size_blocks", "512"),): 0.4}
+    assert read("kvcompose_tier_capacity_blocks") == {(("connector", "gpu"),): 300, (("connector", "offload"),): 100}
+    assert read("kvcompose_kv_block_bytes") == {(): 4096} and read("kvcompose_write_waste_ratio") == {
+        (("connector", "offload"),): 0.25}
+    series.observe(EconomicsReport(curve=[[512, 0.5], [1024, 0.7]]), 0)
+    assert read("kvcompose_cache_size_hit_ratio") == {(("size_blocks", "512"),): 0.5,
+                                                      (("size_blocks", "1024"),): 0.7}
+    assert read("kvcompose_tier_capacity_blocks")[(("connector", "offload"),)] == 100  # not reported again: kept
+
+
+def test_merged_reports_keep_the_latest_of_each_figure() -> None:
+    scheduler = KVComposeStats(data={ECONOMICS_KEY: EconomicsReport(curve=[[256, 0.1]], block_bytes=4096)})
+    worker = KVComposeStats(data={ECONOMICS_KEY: EconomicsReport(prefill_seconds_per_token=3e-5)})
+    later = KVComposeStats(data={ECONOMICS_KEY: EconomicsReport(curve=[[256, 0.2]])})
+    merged = scheduler.aggregate(worker).aggregate(later)
+    assert merged.economics.to_dict() == {"curve": [[256, 0.2]], "capacities": None, "block_bytes": 4096,
+                                          "write_waste": None, "prefill_seconds_per_token": 3e-5}
+    assert scheduler.data[ECONOMICS_KEY] is merged.economics  # taken over, then copied before being added to
+    assert worker.economics.curve is None and later.economics.block_bytes is None  # inputs unmodified
+    assert KVComposeStats.from_payload(merged.to_dict()).economics == merged.economics
+
+
+def test_the_prefill_cost_is_the_slope_of_step_time_not_seconds_over_tokens() -> None:
+    """Steps cost 5 ms fixed, 2 us per prefill token and 50 us per decode, with fewer decodes beside bigger
+    prefills (as a token budget makes them): the fit finds 2 us, where seconds over tokens would say ~20 us."""
+    fixed, per_prefill, per_decode = 5e-3, 2e-6, 5e-5
+    cost = PrefillCost()
+    for step in range(4):  # every step alike: the slope cannot be told from the fixed cost
+        cost.step_ended(fixed + per_prefill * 400 + per_decode * 8, 400, 8)
+    assert cost.seconds_per_token is None and cost.report() is None
+    steps = [(prefill, 64 - prefill // 8 + 4 * (prefill % 3)) for prefill in range(0, 512, 16)]
+    for prefill, decodes in steps:
+        cost.step_ended(fixed + per_prefill * prefill + per_decode * decodes, prefill, decodes)
+    assert cost.seconds_per_token == pytest.approx(per_prefill, rel=1e-6)
+    assert cost.report() == EconomicsReport(prefill_seconds_per_token=cost.seconds_per_token)
+    assert cost.report() is None  # reported at most every few seconds
+
+
+def test_without_decodes_the_slope_is_a_plain_least_squares_line() -> None:
+    cost = PrefillCost()
+    for prefill in (130, 406, 150, 394, 10, 406, 150, 256) * 2:
+        cost.step_ended(4e-3 + 1e-6 * prefill, prefill, 0)
+    assert cost.seconds_per_token == pytest.approx(1e-6, rel=1e-6)
+    cost.step_ended(0.0, 100, 0)  # no time measured: left out
+    cost.step_ended(0.01, 0, 0)  # nothing computed: left out
+    assert cost.seconds_per_token == pytest.approx(1e-6, rel=1e-6)
+
+
+def test_steps_the_host_stalled_do_not_move_the_slope() -> None:
+    """1 us per token and a fixed 5 ms with a little jitter, and one step in ten stalled 30 ms (a busy host):
+    least squares over the raw steps would be pulled by wherever the stalls fell; the fit stays near 1 us."""
+    import random
+
+    rng = random.Random(3)
+    cost = PrefillCost()
+    for step in range(3000):
+        prefill = rng.choice((16, 128, 256, 384, 500))
+        stall = 0.03 if step % 10 == 7 and prefill < 200 else 0.0  # stalls that fall on the short steps
+        cost.step_ended(5e-3 + 1e-6 * prefill + rng.uniform(-2e-4, 2e-4) + stall, prefill, 0)
+    assert cost.seconds_per_token == pytest.approx(1e-6, rel=0.1)
+    for _ in range(3000):  # the engine got slower per token for good (a bigger batch, a busier host): followed
+        prefill = rng.choice((16, 128, 256, 384, 500))
+        cost.step_ended(5e-3 + 3e-6 * prefill + rng.uniform(-2e-4, 2e-4), prefill, 0)
+    assert cost.seconds_per_token == pytest.approx(3e-6, rel=0.1)
+
+
+def test_an_offloading_childs_capacity_is_its_host_bytes_in_engine_blocks(vllm_config_with: Callable) -> None:
+    from kvcompose.config import load_pipeline
+    from kvcompose.connectors.children import child_specs
+
+    pipeline = {"version": 1, "name": "sized", "children": [
+        {"name": "offload", "connector": "OffloadingConnector", "config": {"cpu_bytes_to_use": 10 * 4096 + 100}},
+        {"name": "disk", "connector": "ExampleConnector", "config": {"shared_storage_path": "/tmp/unused"}}]}
+    config = vllm_config_with({"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
+                               "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
+    offload, disk = child_specs(config, load_pipeline(pipeline))
+    assert tier_capacity_blocks(offload, 4096) == 10  # whole blocks
+    assert tier_capacity_blocks(disk, 4096) is None  # a disk tier's size is not in its config
