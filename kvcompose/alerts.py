@@ -108,8 +108,8 @@ def percent(value: Value) -> str:
 def _circuit_open(p: Mapping[str, Value]) -> Rule:
     return Rule(
         # Half-open (2) counts too: a probe that fails reopens the circuit, and a `for` timer
-        # reset by every probe would never let a long outage page.
-        "kvcompose_child_state > 0",
+        # reset by every probe would never let a long outage page. Stuck is KVComposeChildStuck's.
+        f"kvcompose_child_state > 0\nand kvcompose_child_state < {STUCK}",
         "kvcompose child {{ $labels.connector }} is cut off by its circuit breaker",
         f"Child {{{{ $labels.connector }}}} {_WHERE} has been skipped by its circuit breaker for over {p['for']} "
         "(state {{ $value }}: 1 open, 2 half-open and probing). Its lookups count as misses and it loads and "
