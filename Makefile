@@ -20,8 +20,9 @@ test-lmcache: venv
 	KVCOMPOSE_TEST_LMCACHE=1 PYTHONHASHSEED=0 PYTHONPATH=$(CURDIR) \
 		"$$(scripts/ensure-lmcache-venv.sh)/bin/python" -m pytest -q tests/lmcache
 
+# vLLM's server with a CPU offload tier and a disk tier, one prompt stored then loaded, the tiers and a trace (~1 min).
 demo: venv
-	$(VENV_PY) examples/demo.py
+	@$(VENV_PY) examples/demo.py
 
 bench: venv
 	$(VENV_PY) -m benchmarks

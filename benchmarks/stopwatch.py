@@ -35,10 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvcompose import connectors as kvcompose_connectors
 from kvcompose.operations import CONNECTOR_OPERATIONS
-from kvcompose.tracing import export_process
 from kvcompose.tracing.outbox import THREAD_NAME as OUTBOX_THREAD
-
-EXPORT_PROCESS = export_process.__name__  # the module each tracing engine process runs
 
 
 class Stopwatch:
@@ -80,14 +77,17 @@ FRONT_END = Stopwatch()
 
 
 def _exporter_processes() -> list[Any]:
-    """The span exporter processes this process started, directly or through its engine's processes."""
+    """The span exporter processes this process started, directly or through its engine's processes (they are
+    not their descendants: see kvcompose.tracing.export_process)."""
     import psutil  # a dependency of vLLM
 
+    from tests.span_engine import exporter_pids
+
     found = []
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if EXPORT_PROCESS in child.cmdline():
-                found.append(child)
+    for engine in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        for pid in exporter_pids(engine.pid):
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(pid))
     return found
 
 

@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from kvcompose.metrics.running_calls import STUCK
+
 RUNBOOK_URL_BASE = "https://github.com/kvcompose/kvcompose/blob/main/docs/runbooks"
 SEVERITIES = ("critical", "warning", "info")
 KVCOMPOSE_GROUP = "kvcompose"
@@ -106,8 +108,8 @@ def percent(value: Value) -> str:
 def _circuit_open(p: Mapping[str, Value]) -> Rule:
     return Rule(
         # Half-open (2) counts too: a probe that fails reopens the circuit, and a `for` timer
-        # reset by every probe would never let a long outage page.
-        "kvcompose_child_state > 0",
+        # reset by every probe would never let a long outage page. Stuck is KVComposeChildStuck's.
+        f"kvcompose_child_state > 0\nand kvcompose_child_state < {STUCK}",
         "kvcompose child {{ $labels.connector }} is cut off by its circuit breaker",
         f"Child {{{{ $labels.connector }}}} {_WHERE} has been skipped by its circuit breaker for over {p['for']} "
         "(state {{ $value }}: 1 open, 2 half-open and probing). Its lookups count as misses and it loads and "
@@ -128,7 +130,7 @@ def _child_errors(p: Mapping[str, Value]) -> Rule:
     )
 
 
-_TRANSFER_SECONDS = "kvcompose_transfer_lifetime_seconds"
+_COPY_SECONDS = "kvcompose_transfer_copy_seconds"
 _DIRECTIONS = ("load", "save")
 _TRANSFER_IMPACT = {
     "load": "Requests that load from this child wait for it before their first token.",
@@ -143,17 +145,21 @@ def _by_direction(text: Mapping[str, str]) -> str:
 
 
 def _transfer_slow(p: Mapping[str, Value]) -> Rule:
+    # Copy time, not lifetime: the copy is the tier's own speed; a lifetime also holds the engine steps until
+    # vLLM polls the transfer done, so it grows with the step time whatever the tier does (docs/runbooks).
     # One rule for both directions (each with its threshold): two rules of one name and labels are duplicates.
     slow = "\n  or\n".join(
-        f'    histogram_quantile(0.99, rate({_TRANSFER_SECONDS}_bucket{{direction="{direction}"}}[10m]))'
+        f'    histogram_quantile(0.99, rate({_COPY_SECONDS}_bucket{{direction="{direction}"}}[10m]))'
         f" > {number(p[f'{direction}_p99_seconds'])}" for direction in _DIRECTIONS)
     thresholds = _by_direction({d: number(p[f"{d}_p99_seconds"]) for d in _DIRECTIONS})
     return Rule(
-        f"(\n{slow}\n)\nand rate({_TRANSFER_SECONDS}_count[10m]) > {number(p['min_rate'])}",
-        "kvcompose {{ $labels.direction }}s by {{ $labels.connector }} take {{ $value | humanizeDuration }} at p99",
-        f"The 99th percentile of {{{{ $labels.direction }}}} transfers by child {{{{ $labels.connector }}}} {_WHERE} "
-        f"was {{{{ $value | humanizeDuration }}}} over the last 10m, above {thresholds} s, for {p['for']} (counted "
-        f"once the child makes over {number(p['min_rate'])} transfers/s that way). {_by_direction(_TRANSFER_IMPACT)}",
+        f"(\n{slow}\n)\nand rate({_COPY_SECONDS}_count[10m]) > {number(p['min_rate'])}",
+        "kvcompose {{ $labels.direction }} copies by {{ $labels.connector }} take {{ $value | humanizeDuration }} "
+        "at p99",
+        f"The 99th percentile of the copy time of {{{{ $labels.direction }}}} transfers by child "
+        f"{{{{ $labels.connector }}}} {_WHERE} was {{{{ $value | humanizeDuration }}}} over the last 10m (measured by "
+        f"{{{{ $labels.source }}}}), above {thresholds} s, for {p['for']} (counted once the child makes over "
+        f"{number(p['min_rate'])} transfers/s that way). {_by_direction(_TRANSFER_IMPACT)}",
     )
 
 
@@ -175,14 +181,66 @@ def _hit_ratio_drop(p: Mapping[str, Value]) -> Rule:
     )
 
 
+# What each reason of kvcompose_spans_dropped_total means (kvcompose/metrics/telemetry.py).
+_DROP_CAUSES = {
+    "queue_full": "its export queue is full, so the OTLP collector is unreachable or slower than the span rate",
+    "export_failed": "the OTLP collector refused them",
+    "exporter_down": "a span exporter process died with them (kvcompose restarts it)",
+    "shutdown": "they were still queued when the engine shut down and tracing.shutdown_flush_s ran out",
+}
+
+
+def _by_reason() -> str:
+    """A template picking the cause of the alert's ``reason``."""
+    branches = "".join(f'{{{{ {"if" if index == 0 else "else if"} eq $labels.reason "{reason}" }}}}{cause}'
+                        for index, (reason, cause) in enumerate(_DROP_CAUSES.items()))
+    return f"{branches}{{{{ else }}}}reason {{{{ $labels.reason }}}}{{{{ end }}}}"
+
+
 def _spans_dropped(p: Mapping[str, Value]) -> Rule:
     return Rule(
         f"rate(kvcompose_spans_dropped_total[10m]) > {number(p['dropped_rate'])}",
-        f"kvcompose drops {_RATE} spans/s",
+        f"kvcompose drops {_RATE} spans/s ({{{{ $labels.reason }}}})",
         "kvcompose {{ $labels.model_name }} (engine {{ $labels.engine }}) on {{ $labels.instance }} dropped "
-        f"{_RATE} spans/s over the last 10m (threshold {number(p['dropped_rate'])}/s, "
-        f"for {p['for']}): its export queue is full, so the OTLP collector is unreachable or slower than the "
-        "span rate. Serving is unaffected; traces miss spans.",
+        f"{_RATE} spans/s for reason {{{{ $labels.reason }}}} over the last 10m (threshold "
+        f"{number(p['dropped_rate'])}/s, for {p['for']}): {_by_reason()}. Serving is unaffected; traces miss spans.",
+    )
+
+
+def _exporter_restarting(p: Mapping[str, Value]) -> Rule:
+    return Rule(
+        f"increase(kvcompose_exporter_restarts_total[30m]) > {number(p['restarts'])}",
+        "kvcompose's span exporter keeps dying: {{ $value | humanize }} restarts in 30m",
+        "The span exporter processes of kvcompose {{ $labels.model_name }} (engine {{ $labels.engine }}) on "
+        "{{ $labels.instance }} were started again {{ $value | humanize }} times over the last 30m (threshold "
+        f"{number(p['restarts'])}, for {p['for']}). Each death loses the spans it held (reason exporter_down) and "
+        "each restart waits longer (up to 30 s), so traces have gaps. Serving is unaffected.",
+    )
+
+
+def _child_stuck(p: Mapping[str, Value]) -> Rule:
+    return Rule(
+        f"kvcompose_child_state == {STUCK}",
+        "kvcompose child {{ $labels.connector }} is stuck in a call: the engine waits",
+        f"A call into child {{{{ $labels.connector }}}} {_WHERE} has run past the pipeline's watchdog_s for over "
+        f"{p['for']} (kvcompose_child_state {{{{ $value }}}}: stuck). vLLM calls its connector from the engine's "
+        "one thread, so every request of this engine waits for the call; /health still answers 200. No Python "
+        "call can be interrupted: the call returns, or the server must be restarted.",
+    )
+
+
+def _tier_net_negative(p: Mapping[str, Value]) -> Rule:
+    return Rule(
+        'sum without (direction) (rate(kvcompose_engine_wait_seconds_total{direction="load"}[30m]))\n'
+        "  - rate(kvcompose_prefill_seconds_saved_total[30m])\n"
+        f"> {number(p['net_loss_seconds_per_second'])}\n"
+        f"and rate(kvcompose_loaded_tokens_total[30m]) > {number(p['min_loaded_tokens_per_second'])}",
+        "kvcompose tier {{ $labels.connector }} costs the engine more than it saves",
+        f"The loads of child {{{{ $labels.connector }}}} {_WHERE} kept the forward pass waiting "
+        f"{_RATE} s/s longer than the prefill they spared it (engine wait of its loads less "
+        f"kvcompose_prefill_seconds_saved_total, over the last 30m; threshold "
+        f"{number(p['net_loss_seconds_per_second'])} s/s, for {p['for']}, counted once it loads over "
+        f"{number(p['min_loaded_tokens_per_second'])} tokens/s). Recomputing those prompts would be faster.",
     )
 
 
@@ -215,18 +273,27 @@ ALERTS: tuple[Alert, ...] = (
     Alert("KVComposeChildErrors", KVCOMPOSE_GROUP, "warning", "10m", (
         Parameter("error_ratio", 0.05, "share of a child's calls that raise"),
     ), _child_errors),
+    Alert("KVComposeChildStuck", KVCOMPOSE_GROUP, "critical", "1m", (), _child_stuck),
     Alert("KVComposeTransferSlow", KVCOMPOSE_GROUP, "warning", "15m", (
-        Parameter("load_p99_seconds", 0.5, "p99 of a child's load transfers, seconds"),
-        Parameter("save_p99_seconds", 2.0, "p99 of a child's save transfers, seconds"),
+        Parameter("load_p99_seconds", 0.5, "p99 of the copy time of a child's loads, seconds"),
+        Parameter("save_p99_seconds", 2.0, "p99 of the copy time of a child's saves, seconds"),
         Parameter("min_rate", 0.05, "transfers/s a child must make in that direction for its p99 to count"),
     ), _transfer_slow),
+    Alert("KVComposeTierNetNegative", KVCOMPOSE_GROUP, "warning", "1h", (
+        Parameter("net_loss_seconds_per_second", 0.0,
+                  "engine-wait seconds per second a tier's loads may cost beyond the prefill seconds they save"),
+        Parameter("min_loaded_tokens_per_second", 1.0, "tokens/s a tier must load over 30m for its net to count"),
+    ), _tier_net_negative),
     Alert("KVComposeLoadHitRatioDrop", KVCOMPOSE_GROUP, "warning", "30m", (
         Parameter("drop_factor", 0.5, "alert when the 1h hit ratio is below this share of the 1d hit ratio"),
         Parameter("min_lookup_rate", 0.1, "lookups/s a child must answer over the hour for the ratio to count"),
     ), _hit_ratio_drop),
     Alert("KVComposeSpansDropped", KVCOMPOSE_GROUP, "warning", "15m", (
-        Parameter("dropped_rate", 0.0, "spans/s dropped"),
+        Parameter("dropped_rate", 0.0, "spans/s dropped, per reason"),
     ), _spans_dropped),
+    Alert("KVComposeExporterRestarting", KVCOMPOSE_GROUP, "warning", "15m", (
+        Parameter("restarts", 2.0, "span exporter restarts of an engine in 30m"),
+    ), _exporter_restarting),
     Alert("KVComposeNixlTransfersFailing", CHILDREN_GROUP, "critical", "5m", (
         Parameter("failure_ratio", 0.01, "share of a NIXL child's transfers that fail"),
     ), _nixl_failures),

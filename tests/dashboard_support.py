@@ -79,7 +79,10 @@ def fill(expr: str, values: Mapping[str, str], rate_interval: str) -> str:
 def query_and_scope(expr: str, children: list[str]) -> tuple[Query, Scope]:
     """The catalogue query (and scope) a dashboard expression was built from."""
     scopes = [Scope(), *(Scope(child) for child in children)]
-    built = {query.expr(scope): (query, scope) for query in QUERIES for scope in scopes}
+    built: dict[str, tuple[Query, Scope]] = {}
+    for query in QUERIES:
+        for scope in scopes:  # a query of the engine's series reads the same in every scope: the first is kept
+            built.setdefault(query.expr(scope), (query, scope))
     assert expr in built, f"not built from kvcompose.dashboard.queries: {expr}"
     return built[expr]
 

@@ -1,5 +1,5 @@
 """A traced `vllm serve` of examples/observability/pipeline.yaml for the span export and shutdown tests: its own
-collector, its stores under a temp dir, and the names and counts of the kvcompose spans of one request."""
+collector, its stores under a temp dir, and the names and counts of the kvcompose spans of its requests."""
 
 from __future__ import annotations
 
@@ -19,11 +19,18 @@ PIPELINE = Path(__file__).resolve().parents[1] / "examples" / "observability" / 
 
 def start_traced_server(model: Path, root: Path, module: str = "vllm.entrypoints.openai.api_server"
                         ) -> tuple[Server, OtlpReceiver]:
+    """The example pipeline with its stores under ``root``, and no span for a slow call (a request then makes
+    the same spans every time, so that spans can be counted exactly)."""
+    import yaml
+
     receiver = start_receiver()
-    env = {"KVCOMPOSE_HOT": str(root / "hot"), "KVCOMPOSE_COLD": str(root / "cold"),
-           "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
-           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
-    rendered = subprocess.run([sys.executable, "-m", "kvcompose", "render", str(PIPELINE)],
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+    pipeline = yaml.safe_load(PIPELINE.read_text())
+    for child in pipeline["children"]:
+        child["config"]["shared_storage_path"] = str(root / child["name"])
+    pipeline["tracing"]["slow_call_ms"] = 3_600_000
+    (root / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
+    rendered = subprocess.run([sys.executable, "-m", "kvcompose", "render", str(root / "pipeline.yaml")],
                               capture_output=True, text=True, check=True).stdout.strip()
     try:
         server = start_server(model, rendered, root / "server.log", env=env, module=module,

@@ -16,7 +16,7 @@ import yaml
 
 from kvcompose.dashboard import dashboard_json, provisioning_files
 from kvcompose.dashboard.provisioning import DASHBOARDS_PATH, SCRAPE_INTERVAL
-from kvcompose.dashboard.queries import VARIABLE_MATCHERS
+from kvcompose.dashboard.queries import ENGINE_MATCHERS, ENGINE_SERIES, GPU_MATCHER, VARIABLE_MATCHERS
 
 from .dashboard_support import (
     COMMITTED_DASHBOARD, EXAMPLE_PIPELINE, REPO, all_panels, dashboards, targets,
@@ -28,7 +28,7 @@ REGENERATE = "kvcompose dashboard --output dashboards/kvcompose.json --provision
 DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}
 VARIABLES = ["datasource", "model_name", "engine", "connector", "op"]
 # Grafana unit ids the dashboard may use; "count:<unit>" is Grafana's custom counted unit.
-GRAFANA_UNITS = {"none", "short", "percentunit", "s", "ops", "Bps"}
+GRAFANA_UNITS = {"none", "short", "percentunit", "s", "ops", "Bps", "bytes"}
 CUSTOM_UNIT = re.compile(r"^count:\S+$")
 GRAFANA_BUILTINS = {"__rate_interval", "__all"}
 
@@ -106,11 +106,17 @@ def test_rates_use_the_rate_interval(dashboard: dict[str, Any]) -> None:
 
 
 def test_every_selector_filters_on_the_template_variables(dashboard: dict[str, Any]) -> None:
+    """Every series is narrowed to the selected models and engines; a child's series to the selected children
+    too. The engine's own series carry no child, and the GPU cache's capacity stays whatever children are
+    selected (the curve's first mark)."""
     for target in targets(dashboard):
-        selectors = re.findall(r"\{([^{}]*)\}", target.expr)
+        selectors = re.findall(r"([\w:]+)\{([^{}]*)\}", target.expr)
         assert selectors, target.where
-        for matchers in selectors:
-            assert all(m in matchers for m in VARIABLE_MATCHERS), f"{target.where}: {{{matchers}}}"
+        for metric, matchers in selectors:
+            per_child = metric not in ENGINE_SERIES and GPU_MATCHER not in matchers
+            wanted = VARIABLE_MATCHERS if per_child else ENGINE_MATCHERS
+            assert all(m in matchers for m in wanted), f"{target.where}: {metric}{{{matchers}}}"
+            assert per_child or "$connector" not in matchers, f"{target.where}: {metric}{{{matchers}}}"
 
 
 def test_template_variables(dashboard: dict[str, Any]) -> None:
@@ -152,7 +158,16 @@ def test_the_issue_panels_are_present() -> None:
                    "vllm:kv_offload_load_bytes_total", "vllm:nixl_xfer_time_seconds_bucket",
                    "histogram_quantile(0.5, sum by (le, connector, direction) "
                    "(rate(kvcompose_transfer_lifetime_seconds_bucket", "kvcompose_transfer_bytes_total",
-                   "kvcompose_transfers_in_flight", "kvcompose_transfers_failed_total"):
+                   "kvcompose_transfers_in_flight", "kvcompose_transfers_failed_total",
+                   # this round: the three transfer times, tier economics, live health, vLLM's own hit counts
+                   "histogram_quantile(0.99, sum by (le, connector, direction) "
+                   "(rate(kvcompose_transfer_copy_seconds_bucket", "kvcompose_transfer_copy_seconds_sum",
+                   "kvcompose_engine_wait_seconds_total", "kvcompose_cache_size_hit_ratio",
+                   "kvcompose_tier_capacity_blocks", "kvcompose_kv_block_bytes", "kvcompose_prefill_seconds_saved_total",
+                   "kvcompose_prefill_seconds_per_token", "kvcompose_write_waste_ratio", "kvcompose_tokens_forgone_total",
+                   "kvcompose_calls_in_progress_seconds", "kvcompose_spans_dropped_total", "kvcompose_spans_queued",
+                   "kvcompose_exporter_restarts_total", "vllm:external_prefix_cache_hits_total",
+                   "vllm:external_prefix_cache_queries_total"):
         assert needle in exprs, needle
 
 
@@ -163,24 +178,46 @@ def test_transfer_latency_targets_ask_for_exemplars(dashboard: dict[str, Any]) -
             assert target.get("exemplar", False) is reads_transfer_buckets, panel["title"]
 
 
+def test_xy_charts_plot_a_label_of_every_query_against_its_value_column(dashboard: dict[str, Any]) -> None:
+    """An XY chart reads instant tables, one frame per query: x is a label each query keeps (`by (...)`),
+    turned into a number; y is the value column Grafana's Prometheus datasource names for that query."""
+    charts = [panel for panel in all_panels(dashboard) if panel["type"] == "xychart"]
+    assert [panel["title"] for panel in charts] == ["Hit ratio by cache size"]
+    for panel in charts:
+        (convert, order) = panel["transformations"]
+        (conversion,) = convert["options"]["conversions"]
+        x = conversion["targetField"]
+        assert conversion["destinationType"] == "number" and order["options"]["sort"] == [{"field": x}]
+        ref_ids = [target["refId"] for target in panel["targets"]]
+        values = [f"Value #{ref_id}" for ref_id in ref_ids] if len(ref_ids) > 1 else ["Value"]
+        series = panel["options"]["series"]
+        assert panel["options"]["seriesMapping"] == "manual"
+        assert [(s["frame"], s["x"], s["y"]) for s in series] == [(i, x, v) for i, v in enumerate(values)]
+        for target in panel["targets"]:
+            assert (target["format"], target["instant"]) == ("table", True), panel["title"]
+            assert re.match(rf"^\w+ by \([^)]*\b{x}\b[^)]*\) \(", target["expr"]), target["expr"]
+
+
 # --- pipeline layout ---------------------------------------------------------------------------
 
 def test_pipeline_layout_has_one_row_per_child_scoped_to_it() -> None:
     dashboard = DASHBOARDS["native-pipeline"]
     rows = [panel for panel in dashboard["panels"] if panel["type"] == "row"]
     assert [row["title"] for row in rows] == [
-        "Pipeline native", "hot (OffloadingConnector)", "cold (NixlConnector)"]
-    for row in rows[1:]:
-        assert "Transfer duration p50 / p99" in [panel["title"] for panel in _row_panels(dashboard, row)]
+        "Pipeline native", "Live health", "hot (OffloadingConnector)", "cold (NixlConnector)", "Tier economics"]
+    for row in rows[2:4]:
+        titles = [panel["title"] for panel in _row_panels(dashboard, row)]
+        assert {"Copy time p50 / p99", "Transfer lifetime p50 / p99", "Engine wait"} <= set(titles)
     assert dashboard["uid"] == "kvcompose-native" and dashboard["title"] == "kvcompose: native"
-    for row, child, native, other in ((rows[1], "hot", "vllm:kv_offload_", "vllm:nixl_"),
-                                      (rows[2], "cold", "vllm:nixl_", "vllm:kv_offload_")):
+    for row, child, native, other in ((rows[2], "hot", "vllm:kv_offload_", "vllm:nixl_"),
+                                      (rows[3], "cold", "vllm:nixl_", "vllm:kv_offload_")):
         panels = _row_panels(dashboard, row)
         exprs = [target["expr"] for panel in panels for target in panel["targets"]]
         assert all(f'connector="{child}"' in expr and 'connector=~"$connector"' in expr for expr in exprs)
         assert any(native in expr for expr in exprs) and not any(other in expr for expr in exprs)
-    overview = _row_panels(dashboard, rows[0])
-    assert all('connector="' not in t["expr"] for panel in overview for t in panel["targets"])
+    for row in (rows[0], rows[1], rows[4]):  # every child in one panel
+        exprs = [t["expr"] for panel in _row_panels(dashboard, row) for t in panel["targets"]]
+        assert exprs and not any(f'connector="{child}"' in expr for expr in exprs for child in ("hot", "cold"))
 
 
 # --- the command line --------------------------------------------------------------------------

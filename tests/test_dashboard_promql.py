@@ -3,7 +3,8 @@
 The synthetic series below describe two children, "hot" and "cold", of model
 "m" on engine "0", plus decoys the template variables must filter out: a
 child "x" outside $connector, an engine "1", a model "other" and an
-operation outside $op. Counters grow linearly, so every rate is exact: with
+operation outside $op (the engine's own series, which carry no child, have
+the engine and model decoys). Counters grow linearly, so every rate is exact: with
 samples every 15 s and a 1 m window, rate = increment / 15 s. Histogram
 buckets are powers of two, so every quantile is exact in binary floating
 point too (promtool compares values exactly). The expected values are worked
@@ -25,7 +26,7 @@ import yaml
 from kvcompose.dashboard import QUERIES
 
 from .dashboard_support import (
-    NATIVE_PIPELINE, dashboards, fill, label_values_parts, query_and_scope, targets, variable_queries,
+    NATIVE_PIPELINE, dashboards, fill, label_values_parts, metrics_read, query_and_scope, targets, variable_queries,
 )
 
 STEP_S = 15
@@ -98,6 +99,19 @@ SERIES: list[tuple[str, str]] = [
     *histogram("kvcompose_transfer_lifetime_seconds", f'{HOT}, direction="load"', SPREAD),
     *histogram("kvcompose_transfer_lifetime_seconds", f'{HOT}, direction="save"', FAST),
     *histogram("kvcompose_transfer_lifetime_seconds", f'{COLD}, direction="load"', FAST_HALF),
+    # Copy times: shorter than the lifetimes (hot's loads FAST, not SPREAD); hot reports its own (source
+    # "child"), cold's come from its calls. Throughput = bytes / copy seconds: hot 1024 / 0.25 = 4096 (load),
+    # 512 / 0.25 = 2048 (save); cold 2048 / 0.5 = 4096.
+    *histogram("kvcompose_transfer_copy_seconds", f'{HOT}, direction="load", source="child"', FAST),
+    *histogram("kvcompose_transfer_copy_seconds", f'{HOT}, direction="save", source="child"', FAST),
+    *histogram("kvcompose_transfer_copy_seconds", f'{COLD}, direction="load", source="calls"', FAST_HALF),
+    (f'kvcompose_transfer_copy_seconds_sum{{{HOT}, direction="load", source="child"}}', counter(0.25)),
+    (f'kvcompose_transfer_copy_seconds_sum{{{HOT}, direction="save", source="child"}}', counter(0.25)),
+    (f'kvcompose_transfer_copy_seconds_sum{{{COLD}, direction="load", source="calls"}}', counter(0.5)),
+    # Engine wait, seconds per second; net value = saved - load wait: hot 0.75 - 0.5 = 0.25, cold 0 - 0.125.
+    (f'kvcompose_engine_wait_seconds_total{{{HOT}, direction="load"}}', counter(0.5)),
+    (f'kvcompose_engine_wait_seconds_total{{{HOT}, direction="save"}}', counter(0.25)),
+    (f'kvcompose_engine_wait_seconds_total{{{COLD}, direction="load"}}', counter(0.125)),
     (f'kvcompose_transfer_bytes_total{{{HOT}, direction="load"}}', counter(1024)),
     (f'kvcompose_transfer_bytes_total{{{HOT}, direction="save"}}', counter(512)),
     (f'kvcompose_transfer_bytes_total{{{COLD}, direction="load"}}', counter(2048)),
@@ -107,6 +121,31 @@ SERIES: list[tuple[str, str]] = [
     (f'kvcompose_transfers_failed_total{{{HOT}, direction="load", outcome="failed"}}', counter(0.25)),
     (f'kvcompose_transfers_failed_total{{{HOT}, direction="save", outcome="failed"}}', counter(0)),
     (f'kvcompose_transfers_failed_total{{{COLD}, direction="load", outcome="aborted"}}', counter(0.5)),
+    # Tier economics. The curve of engine "0": 256 -> 0.25, 512 -> 0.5, 1024 -> 0.625, 2048 -> 0.75 blocks.
+    # The GPU cache holds 256 blocks, hot 768 (so it reaches to 256 + 768 = 1024 on the curve); cold's size
+    # is unknown. A block is 2^20 bytes: hot holds 805306368 bytes, the GPU cache 268435456.
+    *((f'kvcompose_cache_size_hit_ratio{{{M}, size_blocks="{size}"}}', gauge(ratio))
+      for size, ratio in ((256, 0.25), (512, 0.5), (1024, 0.625), (2048, 0.75))),
+    (f'kvcompose_tier_capacity_blocks{{{M}, connector="gpu"}}', gauge(256)),
+    (f"kvcompose_tier_capacity_blocks{{{HOT}}}", gauge(768)),
+    (f"kvcompose_kv_block_bytes{{{M}}}", gauge(2**20)),
+    (f"kvcompose_prefill_seconds_per_token{{{M}}}", gauge(2**-11)),
+    (f"kvcompose_prefill_seconds_saved_total{{{HOT}}}", counter(0.75)),
+    (f"kvcompose_prefill_seconds_saved_total{{{COLD}}}", counter(0)),
+    (f"kvcompose_write_waste_ratio{{{HOT}}}", gauge(0.25)),
+    (f"kvcompose_write_waste_ratio{{{COLD}}}", gauge(0.5)),
+    (f"kvcompose_tokens_forgone_total{{{HOT}}}", counter(0)),
+    (f"kvcompose_tokens_forgone_total{{{COLD}}}", counter(4)),
+    # Live health: hot's lookup has run 12 s; span export of engine "0".
+    (f'kvcompose_calls_in_progress_seconds{{{HOT}, op="lookup"}}', gauge(12)),
+    (f'kvcompose_calls_in_progress_seconds{{{COLD}, op="start_load_kv"}}', gauge(0)),
+    *((f'kvcompose_spans_dropped_total{{{M}, reason="{reason}"}}', counter(rate))
+      for reason, rate in (("queue_full", 0.5), ("export_failed", 0), ("exporter_down", 0.25), ("shutdown", 0))),
+    (f"kvcompose_spans_queued{{{M}}}", gauge(40)),
+    (f"kvcompose_exporter_restarts_total{{{M}}}", counter(0.25)),
+    # vLLM's external prefix-cache counters, in tokens: 8 tok/s hit (hot's loads) of 32 tok/s queried.
+    (f"vllm:external_prefix_cache_hits_total{{{M}}}", counter(8)),
+    (f"vllm:external_prefix_cache_queries_total{{{M}}}", counter(32)),
     # OffloadingConnector on "hot": 1024 B/s loaded in 1/1024 s/s of transfer time = 2^20 B/s while
     # transferring; 512 B/s stored in the same time = 2^19 B/s.
     ("vllm:kv_offload_load_bytes_total{%s}" % HOT, counter(1024)),
@@ -146,6 +185,27 @@ for decoy in DECOYS:
         (f"vllm:nixl_bytes_transferred_sum{{{decoy}}}", counter(1)),
         (f"vllm:nixl_num_failed_transfers_total{{{decoy}}}", counter(1)),
         (f"vllm:nixl_num_kv_expired_reqs_total{{{decoy}}}", counter(1)),
+        *histogram("kvcompose_transfer_copy_seconds", f'{decoy}, direction="load", source="calls"', SLOW),
+        (f'kvcompose_transfer_copy_seconds_sum{{{decoy}, direction="load", source="calls"}}', counter(1)),
+        (f'kvcompose_engine_wait_seconds_total{{{decoy}, direction="load"}}', counter(1)),
+        (f"kvcompose_tier_capacity_blocks{{{decoy}}}", gauge(1792)),  # would mark 256 + 1792 = 2048
+        (f"kvcompose_prefill_seconds_saved_total{{{decoy}}}", counter(1)),
+        (f"kvcompose_write_waste_ratio{{{decoy}}}", gauge(1)),
+        (f"kvcompose_tokens_forgone_total{{{decoy}}}", counter(1)),
+        (f'kvcompose_calls_in_progress_seconds{{{decoy}, op="lookup"}}', gauge(99)),
+    ]
+# The engine's own series (no child) of the other engine and model: values that would change any answer.
+for decoy in (OTHER_ENGINE, OTHER_MODEL):
+    SERIES += [
+        *((f'kvcompose_cache_size_hit_ratio{{{decoy}, size_blocks="{size}"}}', gauge(1)) for size in (256, 4096)),
+        (f'kvcompose_tier_capacity_blocks{{{decoy}, connector="gpu"}}', gauge(4096)),
+        (f"kvcompose_kv_block_bytes{{{decoy}}}", gauge(1)),
+        (f"kvcompose_prefill_seconds_per_token{{{decoy}}}", gauge(1)),
+        (f'kvcompose_spans_dropped_total{{{decoy}, reason="queue_full"}}', counter(1)),
+        (f"kvcompose_spans_queued{{{decoy}}}", gauge(1000)),
+        (f"kvcompose_exporter_restarts_total{{{decoy}}}", counter(1)),
+        (f"vllm:external_prefix_cache_hits_total{{{decoy}}}", counter(100)),
+        (f"vllm:external_prefix_cache_queries_total{{{decoy}}}", counter(100)),
     ]
 
 
@@ -183,8 +243,29 @@ EXPECTED: dict[str, list[tuple[dict[str, str], float]]] = {
     "load_error_blocks": hot_cold(0, 2),
     "child_state": hot_cold(0, 2),
     "breaker_opens": hot_cold(0, 0.25),
-    "transfer_p50": by_direction(0.5, 0.125, 0.125),
-    "transfer_p99": by_direction(0.99, 0.2475, 0.2475),
+    "vllm_external_hits": [({}, 8)],
+    "vllm_external_hit_ratio": [({}, 0.25)],
+    "calls_in_progress": [({"connector": "hot", "op": "lookup"}, 12), ({"connector": "cold", "op": "start_load_kv"}, 0)],
+    "spans_dropped": [({"reason": "queue_full"}, 0.5), ({"reason": "export_failed"}, 0),
+                      ({"reason": "exporter_down"}, 0.25), ({"reason": "shutdown"}, 0)],
+    "spans_queued": [({"model_name": "m", "engine": "0"}, 40)],
+    "exporter_restarts": [({"model_name": "m", "engine": "0"}, 0.25)],
+    "copy_p50": by_direction(0.125, 0.125, 0.125),
+    "copy_p99": by_direction(0.2475, 0.2475, 0.2475),
+    "copy_throughput": by_direction(4096, 2048, 4096),
+    "lifetime_p50": by_direction(0.5, 0.125, 0.125),
+    "lifetime_p99": by_direction(0.99, 0.2475, 0.2475),
+    "engine_wait": by_direction(0.5, 0.25, 0.125),
+    "hit_ratio_by_size": [({"size_blocks": str(size)}, ratio)
+                          for size, ratio in ((256, 0.25), (512, 0.5), (1024, 0.625), (2048, 0.75))],
+    "capacity_marks": [({"connector": "gpu", "size_blocks": "256"}, 0.25),
+                       ({"connector": "hot", "size_blocks": "1024"}, 0.625)],
+    "tier_capacity_bytes": [({"connector": "gpu"}, 256 * 2**20), ({"connector": "hot"}, 768 * 2**20)],
+    "prefill_saved": hot_cold(0.75, 0),
+    "net_value": hot_cold(0.25, -0.125),
+    "prefill_cost": [({"model_name": "m"}, 2**-11)],
+    "write_waste": hot_cold(0.25, 0.5),
+    "tokens_forgone": hot_cold(0, 4),
     "transfer_bytes": by_direction(1024, 512, 2048),
     "transfers_in_flight": by_direction(3, 0, 1),
     "transfer_failures": [({"connector": "hot", "direction": "load", "outcome": "failed"}, 0.25),
@@ -212,6 +293,8 @@ EXPECTED_VARIABLE_VALUES = {
 }
 DASHBOARDS = dashboards()
 CHILDREN = ["hot", "cold"]
+# vLLM's engine counters the dashboard reads beside kvcompose's: its stat logger exports them, not a connector.
+VLLM_ENGINE_SERIES = {"vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total"}
 
 
 def test_every_catalogue_query_has_a_known_answer_and_appears_in_a_dashboard() -> None:
@@ -227,7 +310,7 @@ def test_every_dashboard_query_gives_the_known_answer(name: str, tmp_path: Path)
     for target in targets(dashboard):
         query, scope = query_and_scope(target.expr, CHILDREN)
         expected = [(labels, value) for labels, value in EXPECTED[query.name]
-                    if scope.child in (None, labels["connector"])]
+                    if scope.child in (None, labels.get("connector"))]
         assert expected, target.where
         cases.append(expr_test(fill(target.expr, VALUES, RATE_INTERVAL), expected))
     for variable, query in variable_queries(dashboard).items():
@@ -241,8 +324,10 @@ def test_every_dashboard_query_gives_the_known_answer(name: str, tmp_path: Path)
 
 def test_every_query_reads_what_the_real_metric_classes_export(vllm_config_with: Callable, tmp_path: Path) -> None:
     """kvcompose's Prometheus metrics for a pipeline of an OffloadingConnector ("hot") and a NIXL ("cold")
-    child, built by vLLM's own classes (no GPU needed) and fed one of every stat, then scraped as text:
-    every dashboard query must find series in it. Catches renamed metrics and lost labels."""
+    child, built by vLLM's own classes (no GPU needed) and fed one of every stat, economics report and live
+    value, then scraped as text: every dashboard query must find series in it. Catches renamed metrics and
+    lost labels. vLLM's own engine counters (vllm:external_prefix_cache_*) are vLLM's stat logger's, not a
+    connector's: tests/test_dashboard_live.py reads them from a real server."""
     series = []
     for family in _real_exposition(vllm_config_with):
         grows = family.type in ("counter", "histogram")
@@ -254,7 +339,8 @@ def test_every_query_reads_what_the_real_metric_classes_export(vllm_config_with:
             series.append((f"{sample.name}{{{labels}}}", values))
     everything = {"model_name": "m", "engine": "0", "connector": ".*", "op": ".*"}
     cases = [expr_test(f"group({fill(target.expr, everything, RATE_INTERVAL)})", [({}, 1)])
-             for name in ("committed", "native-pipeline") for target in targets(DASHBOARDS[name])]
+             for name in ("committed", "native-pipeline") for target in targets(DASHBOARDS[name])
+             if not metrics_read(target.expr) & VLLM_ENGINE_SERIES]
     assert len(cases) > 40
     run_promtool(series, cases, tmp_path)
 
@@ -272,6 +358,8 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     from kvcompose.config import load_pipeline
     from kvcompose.connectors import KVComposeConnector
     from kvcompose.connectors.children import child_specs
+    from kvcompose.live import engine_ids
+    from kvcompose.metrics.economics import GPU, EconomicsReport
     from kvcompose.metrics.native import NativeStats, class_path
     from kvcompose.metrics.recorder import PipelineRecorder
     from kvcompose.metrics.transfers import TransferRecorder
@@ -319,10 +407,32 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
             transfers.waited(index, direction, 0.001)
         transfers.started(index, "load")
     breakers = {child: {"state": 2, "opens": 1} for child in specs}
-    telemetry = {"dropped": {"queue_full": 3}, "spans_queued": 40, "exporter_restarts": 0}  # the exporter dropped spans
-    prom.observe({"calls": recorder.take().to_dict(), "transfers": transfers.take().to_dict(), "breakers": breakers,
-                  "native": native, "telemetry": telemetry}, 0)
+    telemetry = {"dropped": {"queue_full": 3}, "spans_queued": 40, "exporter_restarts": 1}  # spans lost, a restart
+    # The scheduler's curve (hot, 256 blocks below a GPU cache of 256, reaches to 512) and a worker's prefill cost,
+    # cheap enough that both children's loads cost the engine more than they save.
+    economics = EconomicsReport(curve=[[256, 0.5], [512, 0.75], [1024, 0.875]], capacities={"hot": 256, GPU: 256},
+                                block_bytes=2**20, write_waste={"hot": 0.25}, prefill_seconds_per_token=1e-6)
+    prom.observe({"economics": economics.to_dict(), "calls": recorder.take().to_dict(),
+                  "transfers": transfers.take().to_dict(), "breakers": breakers, "native": native,
+                  "telemetry": telemetry}, 0)
+    # hot's lookup is stuck (state 3); cold keeps its half-open breaker (2) and a call running long, not stuck yet
+    _publish_stuck_calls(prom, engine_ids(config, [0])[0], [["hot", "lookup", 12.0, True],
+                                                             ["cold", "start_load_kv", 0.5, False]])
     return list(text_string_to_metric_families(generate_latest(registry).decode()))
+
+
+def _publish_stuck_calls(prom: Any, engine_id: str, running: list[list[Any]]) -> None:
+    """What the engine's watchdog publishes on its live board while calls are stuck, read by the front-end."""
+    from kvcompose.live import board
+    from kvcompose.metrics.telemetry import LIVE_RUNNING_CALLS
+
+    live = board(engine_id)
+    try:
+        live.set(f"{LIVE_RUNNING_CALLS}.scheduler", running)
+        live.publish()
+        prom.live.read()
+    finally:
+        live.close()
 
 
 def expr_test(expr: str, expected: list[tuple[dict[str, str], float]]) -> dict[str, Any]:

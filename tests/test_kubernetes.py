@@ -35,6 +35,10 @@ GENERATOR_KEYS = {"name", "files", "literals", "options"}
 CORE_KINDS = {"ConfigMap", "Deployment", "Service"}
 MONITORING_API = "monitoring.coreos.com/v1"
 POD_FIELDS = {"metadata.name": "vllm-7d9f-abcde", "metadata.namespace": "inference"}
+# prometheus-operator's ScrapeProtocol values (monitoring.coreos.com/v1, PodMonitorSpec.scrapeProtocols).
+SCRAPE_PROTOCOLS = {"PrometheusProto", "OpenMetricsText0.0.1", "OpenMetricsText1.0.0", "PrometheusText0.0.4",
+                    "PrometheusText1.0.0"}
+METRICS_PATH = "/metrics/"  # vLLM's prometheus_client app: OpenMetrics, with exemplars, when asked for it
 
 
 def _inside_base(relative: str) -> Path:
@@ -139,16 +143,21 @@ def test_prometheus_rule_holds_exactly_the_groups_of_the_rule_file() -> None:
     assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"] == rule_groups()
 
 
-def test_pod_monitor_scrapes_the_metrics_port_of_the_vllm_pods() -> None:
+def test_pod_monitor_scrapes_openmetrics_with_exemplars_from_the_vllm_pods() -> None:
+    """/metrics/ in OpenMetrics, the only form vLLM's server gives the transfer exemplars in
+    (tests/test_dashboard_live.py scrapes that path with a real Prometheus and finds them)."""
     monitor = only("PodMonitor")
     assert monitor["apiVersion"] == MONITORING_API
-    assert set(monitor["spec"]) == {"selector", "podMetricsEndpoints"}
+    assert set(monitor["spec"]) == {"selector", "scrapeProtocols", "podMetricsEndpoints"}
     pod_labels = only("Deployment")["spec"]["template"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    protocols = monitor["spec"]["scrapeProtocols"]
+    assert set(protocols) <= SCRAPE_PROTOCOLS and len(set(protocols)) == len(protocols)  # a set, of known values
+    assert protocols[0].startswith("OpenMetricsText")
     ports = {port["name"]: port["containerPort"] for port in container()["ports"]}
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout"}
-    assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+    assert endpoint["port"] in ports and endpoint["path"] == METRICS_PATH
     assert re.fullmatch(r"\d+s", endpoint["interval"])
 
 

@@ -1,11 +1,12 @@
 """The whole dashboard: rows of panels on Grafana's 24-column grid.
 
 Without a pipeline, one dashboard fits every pipeline: an overview, the
-calls into each child and its transfers (one series per child), and
-collapsed rows for the native metrics of OffloadingConnector and NIXL
-children. With a pipeline, the overview is followed by one row per child,
-holding that child's calls, its transfers and, for a known class, its native
-panels.
+children's live health, the calls into each child, its transfers and the
+tiers' economics (one series per child), and collapsed rows for the native
+metrics of OffloadingConnector and NIXL children. With a pipeline, the
+overview and live health are followed by one row per child, holding that
+child's calls, its transfers and, for a known class, its native panels, and
+then the tiers' economics.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 
 from kvcompose.config import Pipeline
 from kvcompose.dashboard.model import PanelSpec, panel_json, row_json
-from kvcompose.dashboard.panels import CHILD_CALLS, NATIVE_PANELS, NIXL, OFFLOADING, OVERVIEW, TRANSFERS
+from kvcompose.dashboard.panels import (
+    CHILD_CALLS, LIVE_HEALTH, NATIVE_PANELS, NIXL, OFFLOADING, OVERVIEW, TIER_ECONOMICS, TRANSFERS,
+)
 from kvcompose.dashboard.queries import Scope
 from kvcompose.dashboard.variables import template_variables
 
@@ -41,16 +44,20 @@ def sections(pipeline: Pipeline | None) -> list[Section]:
     if pipeline is None:
         return [
             Section("Pipeline", OVERVIEW),
+            Section("Live health", LIVE_HEALTH),
             Section("Calls into each child", CHILD_CALLS),
             Section("Transfers", TRANSFERS),
+            Section("Tier economics", TIER_ECONOMICS),
             Section("OffloadingConnector children", OFFLOADING, collapsed=True),
             Section("NIXL children", NIXL, collapsed=True),
         ]
     return [
         Section(f"Pipeline {pipeline.name}", OVERVIEW),
+        Section("Live health", LIVE_HEALTH),
         *(Section(f"{child.name} ({child.connector})",
                   CHILD_CALLS + TRANSFERS + NATIVE_PANELS.get(child.connector, ()), Scope(child.name))
           for child in pipeline.children),
+        Section("Tier economics", TIER_ECONOMICS),
     ]
 
 

@@ -2,6 +2,12 @@
 
 Every panel and target names its datasource through the ``$datasource``
 template variable, never a uid, so the dashboard imports into any Grafana.
+
+An XY chart plots instant table queries, one frame per query: its ``x_field``
+(a label, turned into a number) across, each query's value up. Grafana names
+a table's value column ``Value`` for a panel of one query and ``Value #<refId>``
+for more. The options are Grafana 10.3's (``seriesMapping``, a ``frame`` per
+series), which Grafana 10.4 and later migrate on load.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ class PanelSpec:
     description: str
     unit: str
     queries: tuple[Query, ...]
-    kind: Literal["timeseries", "table", "state-timeline"] = "timeseries"
+    kind: Literal["timeseries", "table", "state-timeline", "stat", "xychart"] = "timeseries"
     width: int = 12
     height: int = 8
     min: float | None = None
@@ -38,6 +44,8 @@ class PanelSpec:
     no_value: str | None = None  # shown instead of "No data" where no series is the normal case
     columns: tuple[str, ...] = ()  # table: the labels to show, in order
     states: tuple[State, ...] = ()  # state-timeline: value mappings
+    x_field: str | None = None  # xychart: the label plotted across (every query is a table with it)
+    x_label: str = ""  # xychart: the x axis's title
 
 
 def panel_json(spec: PanelSpec, panel_id: int, grid_pos: dict[str, int], scope: Scope) -> dict[str, Any]:
@@ -51,6 +59,7 @@ def panel_json(spec: PanelSpec, panel_id: int, grid_pos: dict[str, int], scope: 
             str(state.value): {"text": state.text, "color": state.color, "index": index}
             for index, state in enumerate(spec.states)
         }}]
+    ref_ids = ascii_uppercase[:len(spec.queries)]
     panel: dict[str, Any] = {
         "id": panel_id,
         "type": spec.kind,
@@ -58,10 +67,16 @@ def panel_json(spec: PanelSpec, panel_id: int, grid_pos: dict[str, int], scope: 
         "description": spec.description,
         "datasource": DATASOURCE,
         "gridPos": grid_pos,
-        "fieldConfig": {"defaults": defaults, "overrides": []},
-        "options": _options(spec),
-        "targets": [_target(query, ref_id, scope) for query, ref_id in zip(spec.queries, ascii_uppercase)],
+        "fieldConfig": {"defaults": defaults, "overrides": _x_axis(spec)},
+        "options": _options(spec, ref_ids),
+        "targets": [_target(query, ref_id, scope) for query, ref_id in zip(spec.queries, ref_ids)],
     }
+    if spec.x_field:
+        panel["transformations"] = [
+            {"id": "convertFieldType", "options": {"fields": {}, "conversions": [
+                {"targetField": spec.x_field, "destinationType": "number"}]}},
+            {"id": "sortBy", "options": {"fields": {}, "sort": [{"field": spec.x_field}]}},
+        ]
     if spec.columns:
         panel["transformations"] = [{"id": "organize", "options": {
             "excludeByName": {"Time": True, "Value": True},
@@ -98,9 +113,33 @@ def _target(query: Query, ref_id: str, scope: Scope) -> dict[str, Any]:
     return target
 
 
-def _options(spec: PanelSpec) -> dict[str, Any]:
+def _x_axis(spec: PanelSpec) -> list[dict[str, Any]]:
+    """An XY chart's x field: a count of blocks and more, on a log2 axis (its sizes are mostly powers of two)."""
+    if not spec.x_field:
+        return []
+    return [{"matcher": {"id": "byName", "options": spec.x_field}, "properties": [
+        {"id": "unit", "value": "short"},
+        {"id": "custom.scaleDistribution", "value": {"type": "log", "log": 2}},
+        {"id": "custom.axisLabel", "value": spec.x_label},
+    ]}]
+
+
+def _options(spec: PanelSpec, ref_ids: str) -> dict[str, Any]:
     legend = {"displayMode": "list", "placement": "bottom", "showLegend": True, "calcs": []}
     tooltip = {"mode": "multi", "sort": "desc"}
+    if spec.kind == "xychart":
+        value = (lambda ref_id: f"Value #{ref_id}") if len(ref_ids) > 1 else (lambda ref_id: "Value")
+        series = [{"name": query.legend, "frame": frame, "x": spec.x_field, "y": value(ref_id),
+                   # the first query is the line, the others mark points on it
+                   "show": "points+lines" if frame == 0 else "points",
+                   "pointSize": {"fixed": 5 if frame == 0 else 14, "min": 1, "max": 40}}
+                  for frame, (query, ref_id) in enumerate(zip(spec.queries, ref_ids))]
+        return {"seriesMapping": "manual", "dims": {"frame": 0}, "series": series, "legend": legend,
+                "tooltip": {"mode": "single", "sort": "none"}}
+    if spec.kind == "stat":
+        return {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                "orientation": "horizontal", "textMode": "value_and_name", "colorMode": "none",
+                "graphMode": "none", "justifyMode": "auto"}
     if spec.kind == "table":
         return {"showHeader": True, "cellHeight": "sm", "sortBy": [{"displayName": spec.columns[0], "desc": False}]}
     if spec.kind == "state-timeline":

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from kvcompose.dashboard import queries as q
 from kvcompose.dashboard.model import PanelSpec, State
+from kvcompose.metrics.running_calls import STUCK
 
 TOKENS_PER_SECOND = "count:tok/s"
+SECONDS_PER_SECOND = "count:s/s"  # engine seconds per second of wall time
 
 OVERVIEW: tuple[PanelSpec, ...] = (
     PanelSpec(
@@ -16,13 +18,19 @@ OVERVIEW: tuple[PanelSpec, ...] = (
     ),
     PanelSpec(
         "Lookup hit ratio",
-        "Share of lookups (get_num_new_matched_tokens) in which the child held tokens of the request.",
-        "percentunit", (q.LOOKUP_HIT_RATIO,), min=0, max=1,
+        "Per child: the share of requests in which the child held tokens of the prompt beyond the GPU prefix "
+        "cache's, each request counted once, at its first admission (kvcompose_lookups_total). The series 'all children, tokens (vLLM)' "
+        "is vLLM's own ratio, which counts tokens over all children together: tokens loaded from any child over "
+        "the prompt tokens the GPU prefix cache did not hold (vllm:external_prefix_cache_hits_total / "
+        "_queries_total; preempted requests left out). A child that holds short prefixes of many prompts reads "
+        "high here and adds little to vLLM's ratio.",
+        "percentunit", (q.LOOKUP_HIT_RATIO, q.VLLM_EXTERNAL_HIT_RATIO), min=0, max=1,
     ),
     PanelSpec(
         "Tokens served",
-        "loaded: tokens the child was chosen to load; held: tokens it reported holding at lookup.",
-        TOKENS_PER_SECOND, (q.LOADED_TOKENS, q.MATCHED_TOKENS), min=0,
+        "loaded: tokens the child was chosen to load; held: tokens it reported holding at lookup. Summed over the "
+        "children, loaded equals vLLM's external prefix cache hits (all children (vLLM)).",
+        TOKENS_PER_SECOND, (q.LOADED_TOKENS, q.MATCHED_TOKENS, q.VLLM_EXTERNAL_HITS), min=0,
     ),
 )
 
@@ -30,7 +38,8 @@ CHILD_CALLS: tuple[PanelSpec, ...] = (
     PanelSpec(
         "Call latency p50 / p90 / p99",
         "Latency of kvcompose's calls into the child, by operation (the $op variable filters them): a sample, "
-        "one call in metrics.sample_every (32), each standing for the calls before it.",
+        "one call in metrics.sample_every (32), each standing for the calls before it; a call the watchdog saw "
+        "running long is always in, with its duration.",
         "s", q.LATENCY, min=0,
     ),
     PanelSpec("Call rate", "Calls into the child per second, by operation.", "ops", (q.CALL_RATE,), min=0),
@@ -45,38 +54,132 @@ CHILD_CALLS: tuple[PanelSpec, ...] = (
         "and fails the request under 'fail' (its default).",
         "count:blocks/s", (q.LOAD_ERROR_BLOCKS,), min=0,
     ),
+)
+
+LIVE_HEALTH: tuple[PanelSpec, ...] = (
     PanelSpec(
-        "Circuit breaker state",
-        "kvcompose_child_state: closed (calls go through), open (child skipped), half-open (probing).",
+        "Child state",
+        "kvcompose_child_state: closed (calls go through), open (child skipped), half-open (probing) from the "
+        "circuit breaker; stuck while a call into the child has run past the pipeline's watchdog_s. Stuck is read "
+        "live: vLLM sends no stats while its engine thread waits in the call, and /health still answers.",
         "none", (q.CHILD_STATE,), kind="state-timeline", width=16, height=6,
-        states=(State(0, "closed", "green"), State(1, "open", "red"), State(2, "half-open", "orange")),
+        states=(State(0, "closed", "green"), State(1, "open", "red"), State(2, "half-open", "orange"),
+                State(STUCK, "stuck", "purple")),
     ),
     PanelSpec(
         "Circuit breaker opens",
         "Times the child's breaker opened: shows flapping that the state panel, sampled at each scrape, can miss.",
         "count:opens/s", (q.BREAKER_OPENS,), width=8, height=6, min=0, no_value="never opened",
     ),
+    PanelSpec(
+        "Calls running long",
+        "How long the oldest running call into the child, by operation, has been running, while one runs long "
+        "(the engine's watchdog looks every 0.25 s; kvcompose_calls_in_progress_seconds). 0 once it returns.",
+        "s", (q.CALLS_IN_PROGRESS,), width=12, min=0, no_value="no call running long",
+    ),
+    PanelSpec(
+        "Spans dropped by reason",
+        "Spans kvcompose lost, per second: queue_full (collector slow or unreachable), export_failed (collector "
+        "refused them), exporter_down (an exporter process died), shutdown (not exported in "
+        "tracing.shutdown_flush_s).",
+        "count:spans/s", (q.SPANS_DROPPED,), width=12, min=0,
+    ),
+    PanelSpec(
+        "Spans waiting for export",
+        "Spans queued for export in the fullest queue of the engine's processes (kvcompose_spans_queued).",
+        "short", (q.SPANS_QUEUED,), width=12, min=0,
+    ),
+    PanelSpec(
+        "Span exporter restarts",
+        "Exporter processes started again after one died (kvcompose_exporter_restarts_total).",
+        "count:restarts/s", (q.EXPORTER_RESTARTS,), width=12, min=0,
+    ),
 )
 
 TRANSFERS: tuple[PanelSpec, ...] = (
     PanelSpec(
-        "Transfer duration p50 / p99",
-        "Duration of the child's KV loads and saves, start to end. The dots are exemplars: a recent traced "
-        "transfer of that duration; open its trace in Jaeger from the dot (Prometheus must scrape /metrics/ "
-        "with exemplar storage on; see the README).",
-        "s", q.TRANSFER_LATENCY, min=0,
+        "Copy time p50 / p99",
+        "Time the child spent moving each transfer's bytes (kvcompose_transfer_copy_seconds): its own measurement "
+        "where it reports one (OffloadingConnector's job results, NIXL's telemetry: source=child), else the time "
+        "inside kvcompose's calls into it that moved them (source=calls). How fast the tier is.",
+        "s", q.COPY_LATENCY, min=0,
     ),
     PanelSpec(
-        "Transfer throughput", "Bytes of KV the child's transfers moved per second.", "Bps", (q.TRANSFER_BYTES,),
+        "Copy throughput",
+        "Bytes the child moved per second of copy time: the tier's bandwidth while it copies.",
+        "Bps", (q.COPY_THROUGHPUT,), min=0,
+    ),
+    PanelSpec(
+        "Transfer lifetime p50 / p99",
+        "From the step that issues a transfer until the engine learns it ended (kvcompose_transfer_lifetime_seconds): "
+        "for a load, what the request waits; for a save, how long its blocks stay held. It includes the steps "
+        "between the copy's end and the poll that notices it. The dots are exemplars: a recent traced transfer of "
+        "that lifetime; open its trace in Jaeger from the dot (Prometheus must scrape /metrics/ with exemplar "
+        "storage on; see the README).",
+        "s", q.LIFETIME, min=0,
+    ),
+    PanelSpec(
+        "Engine wait",
+        "Seconds per second the forward pass spent inside the child's blocking calls (start_load_kv, "
+        "wait_for_layer_load: load; save_kv_layer, wait_for_save: save): how much this tier slows every request.",
+        SECONDS_PER_SECOND, (q.ENGINE_WAIT,), min=0,
+    ),
+    PanelSpec(
+        "Bytes moved", "Bytes of KV the child's transfers moved per second.", "Bps", (q.TRANSFER_BYTES,), width=8,
         min=0,
     ),
     PanelSpec(
         "Transfers in flight", "The child's transfers started and not yet ended.", "short",
-        (q.TRANSFERS_IN_FLIGHT,), min=0,
+        (q.TRANSFERS_IN_FLIGHT,), width=8, min=0,
     ),
     PanelSpec(
         "Transfer failures", "The child's transfers that failed or were aborted, per second.", "ops",
-        (q.TRANSFER_FAILURES,), min=0,
+        (q.TRANSFER_FAILURES,), width=8, min=0,
+    ),
+)
+
+TIER_ECONOMICS: tuple[PanelSpec, ...] = (
+    PanelSpec(
+        "Hit ratio by cache size",
+        "Estimated share of prefix-block references an LRU cache of each size would serve on the engine's recent "
+        "traffic (kvcompose_cache_size_hit_ratio, SHARDS sampling, one-hour half-life). Marked: the GPU cache's "
+        "size G and, for each tier of T blocks, G + T: under vLLM's chained prefix hashes the GPU cache and a tier "
+        "below it act as one LRU cache, so the tier adds about hit(G + T) - hit(G). A tier of unknown size, or "
+        "one that serves no loads, has no mark. A tier several engines share sees all their traffic: read the "
+        "curves of every engine together. Sizes in GiB: panel Tier capacity.",
+        "percentunit", (q.HIT_RATIO_BY_SIZE, q.CAPACITY_MARKS), kind="xychart", width=16, height=10,
+        x_field="size_blocks", x_label="cache size (blocks)",
+    ),
+    PanelSpec(
+        "Tier capacity",
+        "Each tier's capacity where kvcompose knows it (OffloadingConnector's cpu_bytes_to_use) and the GPU "
+        "cache's (gpu), in bytes: kvcompose_tier_capacity_blocks times kvcompose_kv_block_bytes.",
+        "bytes", (q.TIER_CAPACITY_BYTES,), kind="stat", width=8, height=10, no_value="no size known",
+    ),
+    PanelSpec(
+        "Prefill saved and net value",
+        "saved: prefill seconds per second the child's loads spared the engine (tokens loaded times the measured "
+        "prefill cost per token). net: saved less the engine wait of its loads; below 0 the tier costs more "
+        "than recomputing (alert KVComposeTierNetNegative).",
+        SECONDS_PER_SECOND, (q.PREFILL_SAVED, q.NET_VALUE),
+    ),
+    PanelSpec(
+        "Prefill cost per token",
+        "The engine's measured forward time per prefilled token (kvcompose_prefill_seconds_per_token): the price "
+        "of a token that is recomputed instead of loaded.",
+        "s", (q.PREFILL_COST,), min=0,
+    ),
+    PanelSpec(
+        "Write waste",
+        "Estimated share of the blocks saved to each tier that no later request reads from it at its current "
+        "size: never reused, or reused only after the tier evicted them (kvcompose_write_waste_ratio).",
+        "percentunit", (q.WRITE_WASTE,), min=0, max=1, no_value="no tier of known size loads",
+    ),
+    PanelSpec(
+        "Tokens forgone",
+        "Tokens a child held beyond those the load policy loaded (from another child, or none): what "
+        "longest_match would have loaded more than first_match (kvcompose_tokens_forgone_total).",
+        TOKENS_PER_SECOND, (q.TOKENS_FORGONE,), min=0,
     ),
 )
 

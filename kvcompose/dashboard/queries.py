@@ -3,7 +3,9 @@
 Each query is built for a :class:`Scope`: the dashboard's template variables
 (``$model_name``, ``$engine``, ``$connector``), plus ``connector="<child>"``
 in a child's own row of a pipeline dashboard (the variable still applies
-there, so deselecting a child empties its row). Rates use Grafana's
+there, so deselecting a child empties its row). Series of the whole engine
+(the hit-ratio curve, span export, vLLM's own prefix-cache counters) carry no
+``connector`` and are selected by model and engine only. Rates use Grafana's
 ``$__rate_interval``, which never drops below four scrape intervals.
 """
 
@@ -12,10 +14,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvcompose.metrics.economics import GPU
+
 RATE_INTERVAL = "$__rate_interval"
-VARIABLE_MATCHERS = ('model_name=~"$model_name"', 'engine=~"$engine"', 'connector=~"$connector"')
+ENGINE_MATCHERS = ('model_name=~"$model_name"', 'engine=~"$engine"')
+VARIABLE_MATCHERS = (*ENGINE_MATCHERS, 'connector=~"$connector"')
 OP_MATCHER = 'op=~"$op"'
 HIT_MATCHER = 'result="hit"'
+LOAD_MATCHER = 'direction="load"'
+GPU_MATCHER = f'connector="{GPU}"'
+TIER_MATCHER = f'connector!="{GPU}"'
+# Series of the whole engine: no `connector` label, so $connector does not filter them.
+ENGINE_SERIES = frozenset({
+    "kvcompose_cache_size_hit_ratio", "kvcompose_kv_block_bytes", "kvcompose_prefill_seconds_per_token",
+    "kvcompose_spans_dropped_total", "kvcompose_spans_queued", "kvcompose_exporter_restarts_total",
+    "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
+})
 
 
 @dataclass(frozen=True)
@@ -31,7 +45,13 @@ class Scope:
 
 
 def selector(metric: str, scope: Scope, *extra: str) -> str:
-    return f"{metric}{{{', '.join((*scope.matchers, *extra))}}}"
+    matchers = ENGINE_MATCHERS if metric in ENGINE_SERIES else scope.matchers
+    return f"{metric}{{{', '.join((*matchers, *extra))}}}"
+
+
+def engine_selector(metric: str, *extra: str) -> str:
+    """A series of the engine, or one of its values that no child selection hides (the GPU cache's capacity)."""
+    return f"{metric}{{{', '.join((*ENGINE_MATCHERS, *extra))}}}"
 
 
 def _rate(metric: str, scope: Scope, *extra: str) -> str:
@@ -40,6 +60,10 @@ def _rate(metric: str, scope: Scope, *extra: str) -> str:
 
 def _sum_rate(by: str, metric: str, scope: Scope, *extra: str) -> str:
     return f"sum by ({by}) ({_rate(metric, scope, *extra)})"
+
+
+def _max_by(by: str, metric: str, scope: Scope) -> str:
+    return f"max by ({by}) ({selector(metric, scope)})"
 
 
 def _quantile(q: float, histogram: str, by: str, scope: Scope, *extra: str) -> str:
@@ -75,7 +99,7 @@ def _quantiles(
 # kvcompose's own series (kvcompose/metrics/prometheus.py).
 TOPOLOGY = Query(
     "topology", "",
-    lambda s: f"max by (pipeline, position, connector, connector_class) ({selector('kvcompose_pipeline_info', s)})",
+    lambda s: _max_by("pipeline, position, connector, connector_class", "kvcompose_pipeline_info", s),
     table=True,
 )
 LOOKUP_HIT_RATIO = Query(
@@ -101,17 +125,56 @@ ERROR_RATE = Query(
 LOAD_ERROR_BLOCKS = Query(
     "load_error_blocks", "{{connector}}", lambda s: _sum_rate("connector", "kvcompose_load_error_blocks_total", s)
 )
-# Circuit-breaker state per child (0 closed, 1 open, 2 half-open).
+
+# vLLM's own prefix-cache counters for external (connector) hits, in tokens, over all children together
+# (vllm/v1/metrics/loggers.py; counted at a request's first admission, vllm/v1/core/sched/scheduler.py).
+VLLM_EXTERNAL_HITS = Query(
+    "vllm_external_hits", "all children (vLLM)",
+    lambda s: f"sum ({_rate('vllm:external_prefix_cache_hits_total', s)})",
+)
+VLLM_EXTERNAL_HIT_RATIO = Query(
+    "vllm_external_hit_ratio", "all children, tokens (vLLM)",
+    lambda s: f"sum ({_rate('vllm:external_prefix_cache_hits_total', s)})"
+              f" / sum ({_rate('vllm:external_prefix_cache_queries_total', s)})",
+)
+
+# Live health: each child's state (0 closed, 1 open, 2 half-open, 3 stuck), calls running long, span export.
 CHILD_STATE = Query(
-    "child_state", "{{connector}}", lambda s: f"max by (connector) ({selector('kvcompose_child_state', s)})"
+    "child_state", "{{connector}}", lambda s: _max_by("connector", "kvcompose_child_state", s)
 )
 BREAKER_OPENS = Query(
     "breaker_opens", "{{connector}}", lambda s: _sum_rate("connector", "kvcompose_circuit_breaker_opens_total", s)
 )
+CALLS_IN_PROGRESS = Query(
+    "calls_in_progress", "{{connector}} {{op}}",
+    lambda s: _max_by("connector, op", "kvcompose_calls_in_progress_seconds", s),
+)
+SPANS_DROPPED = Query(
+    "spans_dropped", "{{reason}}", lambda s: _sum_rate("reason", "kvcompose_spans_dropped_total", s)
+)
+SPANS_QUEUED = Query(
+    "spans_queued", "{{model_name}} engine {{engine}}",
+    lambda s: _max_by("model_name, engine", "kvcompose_spans_queued", s),
+)
+EXPORTER_RESTARTS = Query(
+    "exporter_restarts", "{{model_name}} engine {{engine}}",
+    lambda s: _sum_rate("model_name, engine", "kvcompose_exporter_restarts_total", s),
+)
 
-# Each child's transfers (kvcompose/metrics/transfer_series.py), by direction (load, save).
-TRANSFER_LATENCY = _quantiles(
-    "transfer", "kvcompose_transfer_lifetime_seconds", "connector, direction", (0.5, 0.99), exemplars=True
+# Each child's transfers (kvcompose/metrics/transfer_series.py), by direction (load, save): the three times
+# (kvcompose/instrumentation/transfers.py) and what moved.
+COPY_LATENCY = _quantiles("copy", "kvcompose_transfer_copy_seconds", "connector, direction", (0.5, 0.99))
+COPY_THROUGHPUT = Query(
+    "copy_throughput", "{{connector}} {{direction}}",
+    lambda s: f"{_sum_rate('connector, direction', 'kvcompose_transfer_bytes_total', s)}"
+              f" / {_sum_rate('connector, direction', 'kvcompose_transfer_copy_seconds_sum', s)}",
+)
+LIFETIME = _quantiles(
+    "lifetime", "kvcompose_transfer_lifetime_seconds", "connector, direction", (0.5, 0.99), exemplars=True
+)
+ENGINE_WAIT = Query(
+    "engine_wait", "{{connector}} {{direction}}",
+    lambda s: _sum_rate("connector, direction", "kvcompose_engine_wait_seconds_total", s),
 )
 TRANSFER_BYTES = Query(
     "transfer_bytes", "{{connector}} {{direction}}",
@@ -124,6 +187,55 @@ TRANSFERS_IN_FLIGHT = Query(
 TRANSFER_FAILURES = Query(
     "transfer_failures", "{{connector}} {{direction}} {{outcome}}",
     lambda s: _sum_rate("connector, direction, outcome", "kvcompose_transfers_failed_total", s),
+)
+
+
+# Tier economics (kvcompose/metrics/economics.py).
+def _capacities(s: Scope) -> str:
+    """Every tier's capacity in blocks that $connector selects, and the GPU cache's whatever it selects."""
+    return (f"{selector('kvcompose_tier_capacity_blocks', s, TIER_MATCHER)}"
+            f" or {engine_selector('kvcompose_tier_capacity_blocks', GPU_MATCHER)}")
+
+
+def _capacity_marks(s: Scope) -> str:
+    """The curve at the GPU cache's size G and at G + T for each tier of T blocks: a tier below the GPU cache
+    serves the reuse distances in [G, G + T) (kvcompose/economics/sizes.py), and G + T is on the curve's grid.
+    count_values turns each size into the size_blocks label the curve's points carry."""
+    gpu = engine_selector("kvcompose_tier_capacity_blocks", GPU_MATCHER)
+    reach_ends = (f"{selector('kvcompose_tier_capacity_blocks', s, TIER_MATCHER)}"
+                  f" + ignoring (connector) group_left {gpu} or {gpu}")
+    return (f"avg by (connector, size_blocks) ({selector('kvcompose_cache_size_hit_ratio', s)}"
+            f' * ignoring (connector) group_right count_values without () ("size_blocks", {reach_ends}))')
+
+
+HIT_RATIO_BY_SIZE = Query(
+    "hit_ratio_by_size", "LRU hit ratio",
+    lambda s: f"avg by (size_blocks) ({selector('kvcompose_cache_size_hit_ratio', s)})", table=True,
+)
+CAPACITY_MARKS = Query("capacity_marks", "GPU cache and tiers", _capacity_marks, table=True)
+TIER_CAPACITY_BYTES = Query(
+    "tier_capacity_bytes", "{{connector}}",
+    lambda s: f"max by (connector) (({_capacities(s)})"
+              f" * ignoring (connector) group_left {selector('kvcompose_kv_block_bytes', s)})",
+)
+PREFILL_SAVED = Query(
+    "prefill_saved", "{{connector}} saved",
+    lambda s: _sum_rate("connector", "kvcompose_prefill_seconds_saved_total", s),
+)
+NET_VALUE = Query(
+    "net_value", "{{connector}} net",
+    lambda s: f"{_sum_rate('connector', 'kvcompose_prefill_seconds_saved_total', s)}"
+              f" - {_sum_rate('connector', 'kvcompose_engine_wait_seconds_total', s, LOAD_MATCHER)}",
+)
+PREFILL_COST = Query(
+    "prefill_cost", "{{model_name}}",
+    lambda s: f"avg by (model_name) ({selector('kvcompose_prefill_seconds_per_token', s)})",
+)
+WRITE_WASTE = Query(
+    "write_waste", "{{connector}}", lambda s: _max_by("connector", "kvcompose_write_waste_ratio", s)
+)
+TOKENS_FORGONE = Query(
+    "tokens_forgone", "{{connector}}", lambda s: _sum_rate("connector", "kvcompose_tokens_forgone_total", s)
 )
 
 # OffloadingConnector's own series (vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py).
@@ -150,7 +262,7 @@ OFFLOAD_LOOKUP_P99 = Query(
 )
 OFFLOAD_CPU_USAGE = Query(
     "offload_cpu_usage", "{{connector}}",
-    lambda s: f"max by (connector) ({selector('vllm:kv_offload_cpu_cache_usage_perc', s)})",
+    lambda s: _max_by("connector", "vllm:kv_offload_cpu_cache_usage_perc", s),
 )
 OFFLOAD_ALLOCATION_FAILURES = Query(
     "offload_allocation_failures", "{{connector}}",
@@ -173,8 +285,11 @@ NIXL_EXPIRED_REQUESTS = Query(
 
 QUERIES: tuple[Query, ...] = (
     TOPOLOGY, LOOKUP_HIT_RATIO, LOADED_TOKENS, MATCHED_TOKENS, *LATENCY, CALL_RATE, ERROR_RATE,
-    LOAD_ERROR_BLOCKS, CHILD_STATE, BREAKER_OPENS,
-    *TRANSFER_LATENCY, TRANSFER_BYTES, TRANSFERS_IN_FLIGHT, TRANSFER_FAILURES,
+    LOAD_ERROR_BLOCKS, VLLM_EXTERNAL_HITS, VLLM_EXTERNAL_HIT_RATIO,
+    CHILD_STATE, BREAKER_OPENS, CALLS_IN_PROGRESS, SPANS_DROPPED, SPANS_QUEUED, EXPORTER_RESTARTS,
+    *COPY_LATENCY, COPY_THROUGHPUT, *LIFETIME, ENGINE_WAIT, TRANSFER_BYTES, TRANSFERS_IN_FLIGHT, TRANSFER_FAILURES,
+    HIT_RATIO_BY_SIZE, CAPACITY_MARKS, TIER_CAPACITY_BYTES, PREFILL_SAVED, NET_VALUE, PREFILL_COST, WRITE_WASTE,
+    TOKENS_FORGONE,
     OFFLOAD_LOAD_BYTES, OFFLOAD_STORE_BYTES, OFFLOAD_LOAD_BANDWIDTH, OFFLOAD_STORE_BANDWIDTH,
     OFFLOAD_LOOKUP_P99, OFFLOAD_CPU_USAGE, OFFLOAD_ALLOCATION_FAILURES,
     *NIXL_TRANSFER_TIME, NIXL_BYTES, NIXL_FAILED_TRANSFERS, NIXL_EXPIRED_REQUESTS,

@@ -51,6 +51,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvcompose.live import process_alive, remove_files_of
 from kvcompose.tracing.ring import (
     CLOSED,
     EXPORT_FAILED,
@@ -185,7 +186,7 @@ class _EngineWatch:
     def __init__(self, engine_pid: int) -> None:
         self._engine_pid = engine_pid
         self._engine_fd: int | None = None  # None: the engine's life is polled
-        self.gone = not _alive(engine_pid)
+        self.gone = not process_alive(engine_pid)
         if hasattr(os, "pidfd_open") and not self.gone:
             try:
                 self._engine_fd = os.pidfd_open(engine_pid)
@@ -205,26 +206,16 @@ class _EngineWatch:
         readable, _, _ = select.select(watched, [], [], timeout_s)
         if self._engine_fd in readable or self._signals in readable or (
                 stdin in readable and not os.read(stdin, 4096)) or (
-                self._engine_fd is None and not _alive(self._engine_pid)):
+                self._engine_fd is None and not process_alive(self._engine_pid)):
             self.gone = True
 
     def engine_died(self, within_s: float) -> bool:
         """Whether the engine process has ended, or ends within ``within_s`` (the kernel closes a killed
         process's files, its stdin pipe among them, a moment before it counts it as ended)."""
         if self._engine_fd is None:
-            return not _alive(self._engine_pid)
+            return not process_alive(self._engine_pid)
         readable, _, _ = select.select([self._engine_fd], [], [], within_s)
         return bool(readable)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _sleep(ring: Ring, watch: _EngineWatch, records_came: bool) -> None:
@@ -278,8 +269,6 @@ def main() -> None:
         if lost := exporting.flush(settings["flush_s"]):
             _log_lost(settings, lost, settings["flush_s"])
     if watch.engine_died(within_s=ENGINE_END_WAIT_S):  # maybe killed before its atexit ran
-        from kvcompose.live import remove_files_of
-
         remove_files_of(engine_pid)
     sys.stderr.flush()
     os._exit(0)  # an export still running (a collector that does not answer) must not hold the process
