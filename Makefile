@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make demo` and `make test`.
-.PHONY: test test-compat test-lmcache demo bench venv lint clean
+.PHONY: test test-compat test-lmcache demo bench venv clean
 
 VENV_PY := .venv/bin/python
 

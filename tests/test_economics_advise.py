@@ -45,7 +45,7 @@ PROMPT_TOKENS = (150_000, 50_000)
 PREFILL_S_PER_TOKEN = 5e-4
 
 
-def registry(net_negative_disk: bool = True, start_time: bool = True) -> CollectorRegistry:
+def registry(net_negative_disk: bool = True, start_time: bool = True, disk_loads: bool = True) -> CollectorRegistry:
     reg = CollectorRegistry()
     engine = ["model_name", "engine"]
     lookups = Counter("kvcompose_lookups", "", [*engine, "connector", "result"], registry=reg)
@@ -72,8 +72,9 @@ def registry(net_negative_disk: bool = True, start_time: bool = True) -> Collect
             at = {**labels, "connector": tier}
             lookups.labels(**at, result="hit").inc(figures["hits"][index])
             lookups.labels(**at, result="miss").inc(figures["misses"][index])
-            loaded.labels(**at).inc(figures["loaded"][index])
-            saved_s = figures["saved_s"][index] * (1 if net_negative_disk or tier != "disk" else 10)
+            quiet = tier == "disk" and not disk_loads
+            loaded.labels(**at).inc(0 if quiet else figures["loaded"][index])
+            saved_s = 0 if quiet else figures["saved_s"][index] * (1 if net_negative_disk or tier != "disk" else 10)
             saved.labels(**at).inc(saved_s)
             forgone.labels(**at).inc(figures["forgone"][index])
             for direction in ("load", "save"):
@@ -189,6 +190,16 @@ def test_text_states_the_numbers_behind_each_recommendation(tmp_path: Path,
     assert "95% of the blocks written to it are not read from it" in out
     assert "longest_match would have loaded 1,000 more tokens from it" in out
     assert out.rstrip().endswith("net negative: disk")
+
+
+def test_a_tier_that_loaded_nothing_is_not_judged_net_negative(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Its start_load_kv still ran every step: a little load wait, and nothing saved."""
+    status, out, _ = run(["advise", "--metrics", str(write(tmp_path / "m.txt", registry(disk_loads=False))),
+                          "--json"], capsys)
+    disk = {tier["name"]: tier for tier in json.loads(out)["tiers"]}["disk"]
+    assert status == 0 and disk["net_negative"] is False
+    assert disk["engine_wait_s_per_s"]["load"] > 0 and disk["prefill_saved_s_per_s"] == 0
 
 
 def test_all_tiers_paying_exits_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

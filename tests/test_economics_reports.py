@@ -89,7 +89,11 @@ def test_the_prefill_cost_is_the_slope_of_step_time_not_seconds_over_tokens() ->
         cost.step_ended(fixed + per_prefill * prefill + per_decode * decodes, prefill, decodes)
     assert cost.seconds_per_token == pytest.approx(per_prefill, rel=1e-6)
     assert cost.report() == EconomicsReport(prefill_seconds_per_token=cost.seconds_per_token)
-    assert cost.report() is None  # reported at most every few seconds
+    assert cost.report() is None  # reported at most every few seconds,
+    cost.step_ended(fixed + per_prefill * 200 + 1e-4, 200, 0)  # 2% off the fit: in it
+    assert cost.report() is None
+    assert cost.report(now=True) == EconomicsReport(prefill_seconds_per_token=cost.seconds_per_token)  # or idle
+    assert cost.report(now=True) is None  # and only when it changed
 
 
 def test_without_decodes_the_slope_is_a_plain_least_squares_line() -> None:

@@ -115,7 +115,7 @@ TRANSFERS: tuple[PanelSpec, ...] = (
         "for a load, what the request waits; for a save, how long its blocks stay held. It includes the steps "
         "between the copy's end and the poll that notices it. The dots are exemplars: a recent traced transfer of "
         "that lifetime; open its trace in Jaeger from the dot (Prometheus must scrape /metrics/ with exemplar "
-        "storage on; see the README).",
+        "storage on; see docs/metrics.md).",
         "s", q.LIFETIME, min=0,
     ),
     PanelSpec(

@@ -118,7 +118,8 @@ def _tier(advice: Advice, tier: TierAmounts, reach: Reach | None) -> TierAdvice:
     waits = {direction: tier.directions[direction].engine_wait_s for direction in DIRECTIONS}
     # Net value: the prefill a tier's loads saved less the engine wait they caused. Its saves' wait is shown
     # beside it (and in the write-waste advice), not netted: a tier that saves for another engine's loads
-    # pays for them here.
+    # pays for them here. A tier that loaded nothing is not judged (as the alert does not): every loader's
+    # start_load_kv runs each step, so it has a little load wait even when it has nothing to load.
     load_wait = waits["load"]
     saved = tier.prefill_saved_s
     figures = TierAdvice(
@@ -128,7 +129,7 @@ def _tier(advice: Advice, tier: TierAmounts, reach: Reach | None) -> TierAdvice:
         prefill_saved_s_per_s=_per_second(saved, span),
         engine_wait_s_per_s={direction: _per_second(wait, span) for direction, wait in waits.items()},
         net_s_per_s=_per_second(saved - load_wait, span) if saved is not None else None,
-        net_negative=saved is not None and saved < load_wait,
+        net_negative=saved is not None and tier.loaded_tokens > 0 and saved < load_wait,
         copy={direction: _copy(tier, direction, span) for direction in DIRECTIONS},
         capacity_blocks=tier.capacity_blocks, capacity_gib=_gib(advice, tier.capacity_blocks), reach=reach,
         curve_share=(advice.curve.at(reach.end) - advice.curve.at(reach.start)

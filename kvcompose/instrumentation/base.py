@@ -268,8 +268,9 @@ class Instrumentation:
 
     # ---- stats, state, shutdown ----
 
-    def reports(self) -> dict[str, Any]:
-        """The role's own reports for this take of the stats, by stats key (tier economics)."""
+    def reports(self, idle: bool) -> dict[str, Any]:
+        """The role's own reports for this take of the stats, by stats key (tier economics). ``idle``: the
+        engine is going idle, so this is the last take for a while: report what changed now."""
         return {}
 
     def flush_due(self) -> bool:
@@ -283,14 +284,14 @@ class Instrumentation:
         """kvcompose's own tables since the last call (calls, transfers, span telemetry); None if all empty."""
         if self._slow_calls:
             self._record_slow_calls()
-        if self.flush_due():
+        if idle := self.flush_due():
             self.flush()
         tables: dict[str, Any] = {}
         if (calls := self.recorder.take()) is not None:
             tables[CALLS_KEY] = calls
         if (transfers := self.transfer_recorder.take()) is not None:
             tables[TRANSFERS_KEY] = transfers
-        tables.update(self.reports())
+        tables.update(self.reports(idle))
         if self._reports_span_telemetry and (now := time_ns()) >= self._telemetry_due:
             self._telemetry_due = now + int(TELEMETRY_EVERY_S * 1e9)
             assert self.tracer is not None

@@ -3,9 +3,11 @@
 Scheduler side (:class:`StreamSampler`): each admitted request's block hashes
 (``Request.block_hashes``, computed by vLLM already) go to a SHARDS sampler
 (kvcompose.economics.shards) once, at the request's first admission. Every
-:data:`REPORT_EVERY_S` the scheduler reports the estimated hit ratio of an LRU
-cache at each size of a grid (powers of two, the GPU cache's size and each
-tier's), and each tier's write waste; its first report adds the capacities
+:data:`REPORT_EVERY_S` while blocks are referenced, and as the engine goes
+idle (so an idle engine shows its latest), the scheduler reports the
+estimated hit ratio of an LRU cache at each size of a grid (powers of two,
+the GPU cache's size and each tier's), and each tier's write waste; its
+first report adds the capacities
 (the GPU cache's blocks, and a tier's where its config says: vLLM's
 OffloadingConnector and kvcompose's CPU spec) and the bytes of a block.
 
@@ -48,8 +50,10 @@ STEP_DECAY = 0.5 ** (1 / HALF_LIFE_STEPS)
 MIN_STEPS = 8
 MIN_PREFILL_SPREAD_TOKENS = 16
 MIN_PREFILL_SPREAD = 0.1
-# A step further off the fit than this many times the steps' mean deviation from it is left out.
+# A step further off the fit than this many times the steps' mean deviation from it, and than this share of
+# its fitted time, is left out.
 OUTLIER_DEVIATIONS = 3.0
+OUTLIER_MIN_SHARE = 0.05
 
 
 def tier_capacity_blocks(spec: ChildSpec, block_bytes: int) -> int | None:
@@ -79,17 +83,21 @@ class StreamSampler:
         self._static: dict[str, Any] | None = {
             "capacities": {**self._capacities, GPU: gpu_blocks}, "block_bytes": block_bytes}
         self._next_report = 0.0
+        self._reported_references = 0
 
     def admitted(self, request: Request) -> None:
         """A request's first admission: its blocks are referenced."""
         if block_hashes := getattr(request, "block_hashes", None):
             self._sampler.record_hashes(block_hashes)
 
-    def report(self) -> EconomicsReport | None:
-        """What to report now: None until :data:`REPORT_EVERY_S` passed since the last report."""
-        if (now := monotonic()) < self._next_report:
+    def report(self, now: bool = False) -> EconomicsReport | None:
+        """What to report: None until :data:`REPORT_EVERY_S` passed since the last report (unless ``now``),
+        or when no block was referenced since."""
+        references = self._sampler.stream_references
+        if ((at := monotonic()) < self._next_report and not now) or (
+                self._static is None and references == self._reported_references):
             return None
-        self._next_report = now + REPORT_EVERY_S
+        self._next_report, self._reported_references = at + REPORT_EVERY_S, references
         report = EconomicsReport(**(self._static or {}))
         self._static = None
         if self._sampler.references > 0:
@@ -132,10 +140,12 @@ class PrefillCost:
         if (fit := self.fit()) is not None:
             # A step far off the fit (the host was busy, a pause) is left out of it. It still widens the
             # spread, by as much as a step at its edge, so a lasting change in the engine's cost gets in.
-            distance = abs(y - fit.of(p, d))
+            predicted = fit.of(p, d)
+            distance = abs(y - predicted)
             outlier = False
             if self._deviation_weight >= MIN_STEPS:
-                edge = OUTLIER_DEVIATIONS * self._deviation / self._deviation_weight
+                edge = max(OUTLIER_DEVIATIONS * self._deviation / self._deviation_weight,
+                           OUTLIER_MIN_SHARE * abs(predicted))
                 outlier, distance = distance > edge, min(distance, edge)
             self._deviation = self._deviation * STEP_DECAY + distance
             self._deviation_weight = self._deviation_weight * STEP_DECAY + 1.0
@@ -169,10 +179,10 @@ class PrefillCost:
         """The fitted prefill cost per token (never below zero)."""
         return None if (fit := self.fit()) is None else max(fit.per_prefill_token, 0.0)
 
-    def report(self) -> EconomicsReport | None:
-        """The estimate, at most every :data:`REPORT_EVERY_S` and when it changed."""
-        if ((now := monotonic()) < self._next_report or (cost := self.seconds_per_token) is None
+    def report(self, now: bool = False) -> EconomicsReport | None:
+        """The estimate when it changed, at most every :data:`REPORT_EVERY_S` (unless ``now``)."""
+        if (((at := monotonic()) < self._next_report and not now) or (cost := self.seconds_per_token) is None
                 or cost == self._reported):
             return None
-        self._next_report, self._reported = now + REPORT_EVERY_S, cost
+        self._next_report, self._reported = at + REPORT_EVERY_S, cost
         return EconomicsReport(prefill_seconds_per_token=cost)

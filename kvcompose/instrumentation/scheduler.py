@@ -174,8 +174,8 @@ class SchedulerInstrumentation(Instrumentation):
         if (sampler := self.samplers.get(operation.name)) is not None:
             sampler.uncount()
 
-    def reports(self) -> dict[str, Any]:
-        if self._stream is not None and (report := self._stream.report()) is not None:
+    def reports(self, idle: bool) -> dict[str, Any]:
+        if self._stream is not None and (report := self._stream.report(now=idle)) is not None:
             return {ECONOMICS_KEY: report}
         return {}
 

@@ -185,8 +185,8 @@ class WorkerInstrumentation(Instrumentation):
 
     # ---- stats, state, shutdown ----
 
-    def reports(self) -> dict[str, Any]:
-        if self._prefill is not None and (report := self._prefill.report()) is not None:
+    def reports(self, idle: bool) -> dict[str, Any]:
+        if self._prefill is not None and (report := self._prefill.report(now=idle)) is not None:
             return {ECONOMICS_KEY: report}
         return {}
 

@@ -47,13 +47,19 @@ class ChildSummary:
         return int(max(self.latency_buckets[op].values(), default=0))
 
 
+SUMMARIZED = frozenset({
+    "kvcompose_lookups_total", "kvcompose_matched_tokens_total", "kvcompose_loaded_tokens_total",
+    "kvcompose_load_error_blocks_total", "kvcompose_call_errors_total", "kvcompose_circuit_breaker_opens_total",
+    "kvcompose_call_duration_seconds_bucket"})
+
+
 def summarize(exposition: str) -> dict[str, ChildSummary]:
     """Sum kvcompose's series over engines and models, per child (``connector``)."""
     children: dict[str, ChildSummary] = defaultdict(ChildSummary)
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             child = sample.labels.get("connector")
-            if child is None or not sample.name.startswith("kvcompose_"):
+            if child is None or sample.name not in SUMMARIZED:  # connector="gpu" is a capacity, not a child
                 continue
             row = children[child]
             if sample.name == "kvcompose_lookups_total":
