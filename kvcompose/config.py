@@ -189,7 +189,8 @@ class Pipeline(_Section):
     logging: LoggingSection = LoggingSection()
     watchdog_s: Annotated[float, Field(gt=0)] | None = Field(
         5.0, description="A call into a child still running after this many seconds is logged (with the child's "
-        "stack) and shown as stuck (kvcompose_child_state 3) until it returns; null turns the watchdog off.",
+        "stack) and shown as stuck (kvcompose_child_state 3) until it returns; a request's lookup that a child keeps "
+        "deferring ('ask again later') for longer counts as a failed lookup. null turns both off.",
     )
 
     @model_validator(mode="after")

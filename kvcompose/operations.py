@@ -81,6 +81,9 @@ class Operation:
     blocking: Literal["load", "save"] | None = None
     # At request granularity a traced request's call makes a span only if it fails or is slow, unless this is set.
     always_traced: bool = False
+    # Whether a returned answer settles the call, so that its earlier failures are forgotten; None: every answer
+    # does. A lookup answering None tokens ("ask again later") has not settled anything yet.
+    settles: Callable[[Any], bool] | None = None
 
     @property
     def span_name(self) -> str:
@@ -98,6 +101,10 @@ def _failed() -> Failed:
 def _lookup(args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
     tokens, load_async = result
     return args[1], bool(load_async), tokens  # tokens None: the child is still looking
+
+
+def _lookup_settles(result: Any) -> bool:
+    return result[0] is not None
 
 
 def _after_alloc(args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
@@ -134,7 +141,7 @@ _DECLARED: tuple[Operation, ...] = (
     Operation("get_num_new_matched_tokens", _S, _REQUEST, "lookup", traced=True, always_traced=True,
               data_path=True, fallback=lambda: FAILED_LOOKUP, children="loaders",
               attributes=(attr.COMPUTED_TOKENS, attr.LOAD_ASYNC, attr.MATCHED_TOKENS),
-              describe=_lookup),
+              describe=_lookup, settles=_lookup_settles),
     Operation("get_external_cache_hit_sources", _S, _REQUEST, traced=True, fallback=dict),
     Operation("get_loaded_kv_cache_group_ids", _S, _REQUEST, traced=True),
     Operation("update_state_after_alloc", _S, _REQUEST, "update_state_after_alloc", traced=True, data_path=True,

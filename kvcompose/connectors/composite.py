@@ -56,6 +56,7 @@ from kvcompose.connectors.children import (
     pipeline_from_vllm_config,
     resolved_children,
 )
+from kvcompose.connectors.deferrals import Deferrals, LookupDeferredTooLong
 from kvcompose.connectors.isolation import ChildGuard
 from kvcompose.connectors.ledger import SchedulerLedger, WorkerLedger
 from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
@@ -133,6 +134,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._loaders = tuple(spec.index for spec in specs if spec.config.load)
         self._scheduler_ledger = SchedulerLedger(vllm_config.cache_config.block_size, self._loaders)
         self._worker_ledger = WorkerLedger()
+        self._deferrals = Deferrals(self.pipeline.watchdog_s)  # lookups answered "ask again later"
         # None when the pipeline turns metrics and tracing off: then nothing but forwarding runs.
         self._instrumentation: SchedulerInstrumentation | WorkerInstrumentation | None = instrument(
             self.pipeline, worker, specs, self._guards, self._scheduler_ledger, vllm_config, kv_cache_config)
@@ -201,7 +203,7 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def request_state_sizes(self) -> dict[str, int]:
         """Sizes of the per-request maps that are not empty; none should outlive its requests."""
-        sizes = {**self._scheduler_ledger.sizes(), **self._worker_ledger.sizes()}
+        sizes = {**self._scheduler_ledger.sizes(), **self._worker_ledger.sizes(), **self._deferrals.sizes()}
         if self._instrumentation is not None:
             sizes.update(self._instrumentation.sizes())
         return sizes
@@ -435,8 +437,9 @@ class KVComposeConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Every loader is asked, in pipeline order, so each sees the request's lookup (as MultiConnector asks
-        every child); a loader still looking (None tokens) makes the whole answer "ask again later". The load
-        policy picks the loader among the answers (first_match: the first with tokens, MultiConnector's rule)."""
+        every child); a loader still looking (None tokens) makes the whole answer "ask again later", for at most
+        watchdog_s (kvcompose.connectors.deferrals). The load policy picks the loader among the answers
+        (first_match: the first with tokens, MultiConnector's rule)."""
         if request.kv_transfer_params:  # a remote prefill's: check the pair's pipelines match
             self._pairing.check(request.kv_transfer_params)
         answers = []
@@ -446,11 +449,16 @@ class KVComposeConnector(KVConnectorBase_V1):
                 answer = lookup(request, num_computed_tokens)
             except Exception as error:
                 answer = self._answer(_LOOKUP, lookup, error)
-            if (tokens := answer[0]) is None:
-                return None, False
+            if answer[0] is None:
+                if not self._deferrals.expired(request.request_id, self._child_calls.owner(lookup).index):
+                    return None, False
+                answer = self._answer(_LOOKUP, lookup, LookupDeferredTooLong(self._deferrals.limit_s or 0.0))
+            tokens = answer[0]
             if first is None and tokens > 0:
                 first = len(answers)
             answers.append(answer)
+        if self._deferrals:
+            self._deferrals.settled(request.request_id)
         chosen = first if self._choose_loader is None else self._choose_loader(answers)
         matched = _NO_MATCH if chosen is None else answers[chosen]
         self._scheduler_ledger.rounds[request.request_id] = (chosen, matched, num_computed_tokens, answers)
@@ -568,6 +576,8 @@ class KVComposeConnector(KVConnectorBase_V1):
                         params.update(child_params)
         finally:
             self._scheduler_ledger.finished(request.request_id, async_savers)
+            if self._deferrals:  # aborted while a child deferred its lookup
+                self._deferrals.settled(request.request_id)
             if self._instrumentation is not None:
                 self._instrumentation.request_finished(request, bool(async_savers))
         return bool(async_savers), self._pairing.stamp(params)

@@ -132,16 +132,19 @@ class ChildGuard:
             return call
         if self.state is BreakerState.CLOSED:
             if operation.name in self.consecutive_failures:
-                return self._reporting(operation.name, call)
+                return self._reporting(operation, call)
             return call
         if operation.data_path:
             return self._probing(call)
         return self._skipped_until_cooled_down(call)
 
-    def _reporting(self, operation: str, call: Callable[..., Any]) -> Callable[..., Any]:
+    def _reporting(self, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
+        settles = operation.settles
+
         def reporting(*args: Any, **kwargs: Any) -> Any:
             result = call(*args, **kwargs)
-            self.succeeded(operation)
+            if settles is None or settles(result):
+                self.succeeded(operation.name)
             return result
 
         return reporting
