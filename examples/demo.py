@@ -29,7 +29,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -42,7 +41,7 @@ from kvcompose.top import COLUMNS, OPENMETRICS, Scrape, cells, frame, parse
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = Path("examples/offload/pipeline.yaml")  # relative to REPO, as the printed command shows it
-OFFLOAD_BYTES = 64 << 20
+OFFLOAD_BYTES = str(64 << 20)  # the offload tier's host memory, unless KVCOMPOSE_OFFLOAD_BYTES says otherwise
 PROMPT = prompt_words(seed=7, length=300)  # 434 tokens: three full 128-token CPU blocks can be stored
 MAX_TOKENS = 8
 STARTUP_TIMEOUT_S = 240.0
@@ -201,7 +200,7 @@ def wait_until_healthy(server: Server) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise DemoFailed(f"vLLM's server exited with status {server.process.returncode} before it answered; "
+            raise DemoFailed(f"the server exited with status {server.process.returncode} before it answered; "
                              f"see its log: {server.log}")
         try:
             with urllib.request.urlopen(f"{server.url}/health", timeout=2):
@@ -228,13 +227,15 @@ def transfer_spans(spans: list[Span]) -> Counter[tuple[str, str]]:
 
 def settled(traces: list[list[Span]], scrape: Scrape, tiers: list[str]) -> bool:
     """Every request's spans are in, and /metrics/ counts as many lookups and transfers as the spans show."""
-    requests = [[span for span in trace if span.name == "kvcompose.request"] for trace in traces]
-    if not all(requests) or not any(span.service != "kvcompose" for span in traces[-1]):
-        return False
-    for trace, (request,) in zip(traces, requests, strict=True):
-        shipped = transfer_spans(trace)
-        summarized = {tuple(key.split(".")[2:4]) for key in request.attributes if key.endswith("_bytes")}
-        if any(shipped[(tier, kind.removesuffix("_bytes"))] == 0 for tier, kind in summarized):
+    for trace in traces:
+        requests = [span for span in trace if span.name == "kvcompose.request"]
+        if not requests or all(span.service == "kvcompose" for span in trace):  # vLLM's own span is not in yet
+            return False
+        # The request span sums up its transfers per tier (kvcompose.tier.<tier>.<direction>_bytes): each has a span.
+        summarized = {tuple(key.removesuffix("_bytes").split(".")[2:4])
+                      for request in requests for key in request.attributes
+                      if key.startswith("kvcompose.tier.") and key.endswith("_bytes")}
+        if any(transfer_spans(trace)[transfer] == 0 for transfer in summarized):
             return False
     shipped = transfer_spans([span for trace in traces for span in trace])
     return all(scrape.total("kvcompose_lookups_total", connector=tier) == len(traces)
@@ -320,13 +321,15 @@ def run(workdir: Path, receiver: SpanReceiver, started: float) -> None:
     model = ensure_tiny_model()
     port = free_port()
     log = workdir / "vllm.log"
-    environment = {"KVCOMPOSE_OFFLOAD_BYTES": str(OFFLOAD_BYTES), "KVCOMPOSE_DISK": str(workdir / "disk"),
+    offload_bytes = os.environ.get("KVCOMPOSE_OFFLOAD_BYTES", OFFLOAD_BYTES)
+    environment = {"KVCOMPOSE_OFFLOAD_BYTES": offload_bytes, "KVCOMPOSE_DISK": str(workdir / "disk"),
                    "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                    "OTEL_BSP_SCHEDULE_DELAY": "200"}  # vLLM batches its spans for 5 s by default
     command = serve_command(receiver.url, model, port)
     shown = [display(model) if arg == str(model) else shlex.quote(arg) for arg in command]
     print(f"kvcompose demo: vLLM's OpenAI server on the CPU, a tiny random-weight model, {PIPELINE}:")
-    print(f"  tier offload: vLLM's OffloadingConnector on kvcompose's CPU spec, {OFFLOAD_BYTES >> 20} MiB of RAM")
+    print(f"  tier offload: vLLM's OffloadingConnector on kvcompose's CPU spec, "
+          f"KVCOMPOSE_OFFLOAD_BYTES={offload_bytes} bytes of RAM")
     print(f"  tier disk:    vLLM's ExampleConnector, files under {workdir / 'disk'}")
     print(f"$ {' '.join(shown[:7])} \\\n    {' '.join(shown[7:])}")
     print("  (prefix caching off, else vLLM's GPU prefix cache serves the repeat and no tier loads)")
