@@ -4,7 +4,7 @@ Starts vLLM's OpenAI server on the CPU with ``kvcompose serve`` and
 examples/offload/pipeline.yaml: vLLM's OffloadingConnector on kvcompose's
 CPU offloading spec (host memory) in front of vLLM's ExampleConnector
 (disk). Tracing is on (``--trace``) and goes to an OTLP/HTTP receiver that
-runs inside this script, so no Jaeger or Collector is needed.
+runs inside this script (kvcompose.testing.otlp_receiver), so no Jaeger or Collector is needed.
 
 It sends one prompt twice: the first is computed and stored to both tiers,
 the repeat is loaded from the offload tier. Then it prints each tier's
@@ -16,7 +16,6 @@ waterfall. vLLM's own output goes to a log file; the received spans and the
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import secrets
@@ -27,15 +26,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from kvcompose.testing.otlp_receiver import ReceivedSpan, SpanReceiver
 from kvcompose.testing.tiny_model import ensure_tiny_model, prompt_words
 from kvcompose.top import COLUMNS, OPENMETRICS, Scrape, cells, frame, parse
 
@@ -54,83 +52,6 @@ TRANSFER = "kvcompose.transfer"
 
 class DemoFailed(Exception):
     """The demo cannot go on; the message is one line, the log path included where it helps."""
-
-
-# The demo's own OTLP/HTTP receiver: the spans of both vLLM and kvcompose arrive here.
-
-@dataclass(frozen=True)
-class Span:
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent_span_id: str
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, Any]
-
-    @property
-    def seconds(self) -> float:
-        return (self.end_ns - self.start_ns) / 1e9
-
-
-class SpanReceiver:
-    """Decodes OTLP/HTTP protobuf trace exports posted to 127.0.0.1 and keeps the spans."""
-
-    def __init__(self) -> None:
-        self._spans: list[Span] = []
-        self._lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                receiver._add(body)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # one line per export would drown the demo's output
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def spans(self, trace_id: str | None = None) -> list[Span]:
-        with self._lock:
-            return [span for span in self._spans if trace_id is None or span.trace_id == trace_id]
-
-    def _add(self, body: bytes) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        spans = []
-        for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
-            resource = {item.key: item.value.string_value for item in resource_spans.resource.attributes}
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    attributes = {item.key: _value(item.value) for item in span.attributes}
-                    spans.append(Span(resource.get("service.name", ""), span.name, span.trace_id.hex(),
-                                      span.span_id.hex(), span.parent_span_id.hex(), span.start_time_unix_nano,
-                                      span.end_time_unix_nano, attributes))
-        with self._lock:
-            self._spans.extend(spans)
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-def _value(any_value: Any) -> Any:
-    kind = any_value.WhichOneof("value")
-    return getattr(any_value, kind) if kind else None
 
 
 # vLLM's server, started by `kvcompose serve`.
@@ -219,13 +140,13 @@ def free_port() -> int:
 
 # Waiting for both sides to report: the spans of every transfer, and the metrics counting the same transfers.
 
-def transfer_spans(spans: list[Span]) -> Counter[tuple[str, str]]:
+def transfer_spans(spans: list[ReceivedSpan]) -> Counter[tuple[str, str]]:
     """Transfer spans by (tier, direction)."""
     return Counter((span.attributes.get("kvcompose.connector.name"), span.attributes.get(f"{TRANSFER}.direction"))
                    for span in spans if span.name.startswith(f"{TRANSFER} "))
 
 
-def settled(traces: list[list[Span]], scrape: Scrape, tiers: list[str]) -> bool:
+def settled(traces: list[list[ReceivedSpan]], scrape: Scrape, tiers: list[str]) -> bool:
     """Every request's spans are in, and /metrics/ counts as many lookups and transfers as the spans show."""
     for trace in traces:
         requests = [span for span in trace if span.name == "kvcompose.request"]
@@ -274,14 +195,14 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
-def label(span: Span) -> str:
+def label(span: ReceivedSpan) -> str:
     if span.service != "kvcompose":
         return f"{span.name} ({span.service})"
     tier = span.attributes.get("kvcompose.connector.name")
     return span.name if tier is None or span.name.startswith(f"{TRANSFER} ") else f"{span.name} {tier}"
 
 
-def detail(span: Span) -> str:
+def detail(span: ReceivedSpan) -> str:
     attributes = span.attributes
     if span.name == "kvcompose.request":
         loaded = attributes.get("kvcompose.tokens.loaded")
@@ -294,7 +215,7 @@ def detail(span: Span) -> str:
     return ""
 
 
-def waterfall(spans: list[Span]) -> list[str]:
+def waterfall(spans: list[ReceivedSpan]) -> list[str]:
     """The spans as rows of offset, duration, a bar on the trace's time line, and what each moved."""
     spans = sorted(spans, key=lambda span: (span.start_ns, -span.end_ns))
     first, last = spans[0].start_ns, max(span.end_ns for span in spans)
