@@ -4,7 +4,8 @@ Starts vLLM's OpenAI server on the CPU with ``kvcompose serve`` and
 examples/offload/pipeline.yaml: vLLM's OffloadingConnector on kvcompose's
 CPU offloading spec (host memory) in front of vLLM's ExampleConnector
 (disk). Tracing is on (``--trace``) and goes to an OTLP/HTTP receiver that
-runs inside this script (kvcompose.testing.otlp_receiver), so no Jaeger or Collector is needed.
+runs inside this script (kvcompose.testing.otlp_receiver), so no Jaeger or
+Collector is needed.
 
 It sends one prompt twice: the first is computed and stored to both tiers,
 the repeat is loaded from the offload tier. Then it prints each tier's
@@ -35,7 +36,7 @@ from typing import Any
 
 from kvcompose.testing.otlp_receiver import ReceivedSpan, SpanReceiver
 from kvcompose.testing.tiny_model import ensure_tiny_model, prompt_words
-from kvcompose.top import COLUMNS, OPENMETRICS, Scrape, cells, frame, parse
+from kvcompose.top import COLUMNS, OPENMETRICS, Scrape, ScrapeError, cells, frame, parse
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = Path("examples/offload/pipeline.yaml")  # relative to REPO, as the printed command shows it
@@ -75,10 +76,11 @@ class Server:
         except (OSError, ValueError) as error:
             raise DemoFailed(f"the completion failed ({error}); vLLM's log: {self.log}") from None
 
-    def metrics(self) -> str:
+    def metrics(self) -> tuple[str, str]:
+        """The /metrics/ exposition (OpenMetrics, which carries exemplars) and its content type."""
         request = urllib.request.Request(f"{self.url}/metrics/", headers={"Accept": f"{OPENMETRICS}; version=1.0.0"})
         with urllib.request.urlopen(request, timeout=10) as response:
-            return response.read().decode()
+            return response.read().decode(), response.headers.get("Content-Type", "")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -238,6 +240,13 @@ def display(path: Path) -> str:
     return f"~/{path.relative_to(Path.home())}" if path.is_relative_to(Path.home()) else str(path)
 
 
+def shown_command(command: list[str], model: Path) -> str:
+    """``command`` as a shell line, broken after the model into two."""
+    words = [display(model) if arg == str(model) else shlex.quote(arg) for arg in command]
+    split = command.index(str(model)) + 1
+    return f"$ {' '.join(words[:split])} \\\n    {' '.join(words[split:])}"
+
+
 def run(workdir: Path, receiver: SpanReceiver, started: float) -> None:
     model = ensure_tiny_model()
     port = free_port()
@@ -247,12 +256,11 @@ def run(workdir: Path, receiver: SpanReceiver, started: float) -> None:
                    "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                    "OTEL_BSP_SCHEDULE_DELAY": "200"}  # vLLM batches its spans for 5 s by default
     command = serve_command(receiver.url, model, port)
-    shown = [display(model) if arg == str(model) else shlex.quote(arg) for arg in command]
     print(f"kvcompose demo: vLLM's OpenAI server on the CPU, a tiny random-weight model, {PIPELINE}:")
     print(f"  tier offload: vLLM's OffloadingConnector on kvcompose's CPU spec, "
           f"KVCOMPOSE_OFFLOAD_BYTES={offload_bytes} bytes of RAM")
-    print(f"  tier disk:    vLLM's ExampleConnector, files under {workdir / 'disk'}")
-    print(f"$ {' '.join(shown[:7])} \\\n    {' '.join(shown[7:])}")
+    print(f"  tier disk:    vLLM's ExampleConnector, files under {environment['KVCOMPOSE_DISK']}")
+    print(shown_command(command, model))
     print("  (prefix caching off, else vLLM's GPU prefix cache serves the repeat and no tier loads)")
     print(f"vLLM's log: {log} (spans.json, metrics.txt beside it); starting ...", end="", flush=True)
     try:
@@ -305,11 +313,11 @@ def wait_until_settled(server: Server, receiver: SpanReceiver, traces: list[str]
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
         try:
-            text = server.metrics()
-        except OSError as error:
+            text, content_type = server.metrics()
+            scrape = parse(text, content_type, time.monotonic())
+            tiers = [row.name for row in frame(scrape, scrape).rows]
+        except (OSError, ValueError, ScrapeError) as error:
             raise DemoFailed(f"cannot read {server.url}/metrics/ ({error}); see vLLM's log: {server.log}") from None
-        scrape = parse(text, f"{OPENMETRICS}; version=1.0.0", time.monotonic())
-        tiers = [row.name for row in frame(scrape, scrape).rows]
         if settled([receiver.spans(trace_id) for trace_id in traces], scrape, tiers):
             return text, scrape
         if time.monotonic() > deadline:

@@ -14,9 +14,11 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,14 +64,21 @@ class DemoRun:
         return (self.directory / "metrics.txt").read_text()
 
 
+def remove_directory(stdout: str) -> None:
+    """The directory the demo named for its log (and spans, metrics): the test's to clean up."""
+    if found := re.search(r"vLLM's log: (\S+)", stdout):
+        shutil.rmtree(Path(found[1]).parent, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def demo() -> DemoRun:
+def demo() -> Iterator[DemoRun]:
     # As from an operator's shell: without conftest's VLLM_LOGGING_LEVEL, vLLM logs at its default level (INFO).
     environment = {name: value for name, value in os.environ.items() if name != "VLLM_LOGGING_LEVEL"}
     started = time.monotonic()
     result = subprocess.run([sys.executable, *DEMO], cwd=REPO, capture_output=True, text=True, timeout=300,
                             env=environment)
-    return DemoRun(result.stdout, result.stderr, result.returncode, time.monotonic() - started)
+    yield DemoRun(result.stdout, result.stderr, result.returncode, time.monotonic() - started)
+    remove_directory(result.stdout)
 
 
 def seconds(text: str) -> float:
@@ -199,3 +208,4 @@ def test_a_server_that_cannot_start_ends_the_demo_with_one_line_naming_its_log()
     assert log, reason
     assert "cpu_bytes_to_use: 'abc' is not a positive integer" in Path(log[1]).read_text()
     assert result.stdout.splitlines()[-1].endswith("starting ... failed")
+    remove_directory(result.stdout)
