@@ -269,9 +269,9 @@ def run(workdir: Path, receiver: SpanReceiver, started: float) -> None:
         print(" failed", flush=True)  # ends the line; the reason follows on stderr
         raise
     ready = time.monotonic()
-    print(f" ready after {ready - started:.1f} s", flush=True)
     traces = [secrets.token_hex(16), secrets.token_hex(16)]  # one trace per request, as a caller's tracer sends
     try:
+        print(f" ready after {ready - started:.1f} s", flush=True)
         send_requests(server, traces)
         answered = time.monotonic()
         text, scrape = wait_until_settled(server, receiver, traces)
@@ -337,6 +337,9 @@ def main() -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # whoever read the output left (`make demo | head`); the server is already stopped
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
+        return 1
     finally:
         receiver.stop()
         shutil.rmtree(workdir / "disk", ignore_errors=True)  # the log, spans and metrics stay
