@@ -4,7 +4,8 @@ Starts vLLM's OpenAI server on the CPU with ``kvcompose serve`` and
 examples/offload/pipeline.yaml: vLLM's OffloadingConnector on kvcompose's
 CPU offloading spec (host memory) in front of vLLM's ExampleConnector
 (disk). Tracing is on (``--trace``) and goes to an OTLP/HTTP receiver that
-runs inside this script, so no Jaeger or Collector is needed.
+runs inside this script (kvcompose.testing.otlp_receiver), so no Jaeger or
+Collector is needed.
 
 It sends one prompt twice: the first is computed and stored to both tiers,
 the repeat is loaded from the offload tier. Then it prints each tier's
@@ -16,7 +17,6 @@ waterfall. vLLM's own output goes to a log file; the received spans and the
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import secrets
@@ -27,22 +27,20 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from kvcompose.testing.otlp_receiver import ReceivedSpan, SpanReceiver
 from kvcompose.testing.tiny_model import ensure_tiny_model, prompt_words
-from kvcompose.top import COLUMNS, OPENMETRICS, Scrape, cells, frame, parse
+from kvcompose.top import COLUMNS, OPENMETRICS, Scrape, ScrapeError, cells, frame, parse
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = Path("examples/offload/pipeline.yaml")  # relative to REPO, as the printed command shows it
-OFFLOAD_BYTES = 64 << 20
+OFFLOAD_BYTES = str(64 << 20)  # the offload tier's host memory, unless KVCOMPOSE_OFFLOAD_BYTES says otherwise
 PROMPT = prompt_words(seed=7, length=300)  # 434 tokens: three full 128-token CPU blocks can be stored
 MAX_TOKENS = 8
 STARTUP_TIMEOUT_S = 240.0
@@ -55,83 +53,6 @@ TRANSFER = "kvcompose.transfer"
 
 class DemoFailed(Exception):
     """The demo cannot go on; the message is one line, the log path included where it helps."""
-
-
-# The demo's own OTLP/HTTP receiver: the spans of both vLLM and kvcompose arrive here.
-
-@dataclass(frozen=True)
-class Span:
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent_span_id: str
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, Any]
-
-    @property
-    def seconds(self) -> float:
-        return (self.end_ns - self.start_ns) / 1e9
-
-
-class SpanReceiver:
-    """Decodes OTLP/HTTP protobuf trace exports posted to 127.0.0.1 and keeps the spans."""
-
-    def __init__(self) -> None:
-        self._spans: list[Span] = []
-        self._lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                receiver._add(body)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # one line per export would drown the demo's output
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def spans(self, trace_id: str | None = None) -> list[Span]:
-        with self._lock:
-            return [span for span in self._spans if trace_id is None or span.trace_id == trace_id]
-
-    def _add(self, body: bytes) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        spans = []
-        for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
-            resource = {item.key: item.value.string_value for item in resource_spans.resource.attributes}
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    attributes = {item.key: _value(item.value) for item in span.attributes}
-                    spans.append(Span(resource.get("service.name", ""), span.name, span.trace_id.hex(),
-                                      span.span_id.hex(), span.parent_span_id.hex(), span.start_time_unix_nano,
-                                      span.end_time_unix_nano, attributes))
-        with self._lock:
-            self._spans.extend(spans)
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-def _value(any_value: Any) -> Any:
-    kind = any_value.WhichOneof("value")
-    return getattr(any_value, kind) if kind else None
 
 
 # vLLM's server, started by `kvcompose serve`.
@@ -155,10 +76,11 @@ class Server:
         except (OSError, ValueError) as error:
             raise DemoFailed(f"the completion failed ({error}); vLLM's log: {self.log}") from None
 
-    def metrics(self) -> str:
+    def metrics(self) -> tuple[str, str]:
+        """The /metrics/ exposition (OpenMetrics, which carries exemplars) and its content type."""
         request = urllib.request.Request(f"{self.url}/metrics/", headers={"Accept": f"{OPENMETRICS}; version=1.0.0"})
         with urllib.request.urlopen(request, timeout=10) as response:
-            return response.read().decode()
+            return response.read().decode(), response.headers.get("Content-Type", "")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -201,7 +123,7 @@ def wait_until_healthy(server: Server) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise DemoFailed(f"vLLM's server exited with status {server.process.returncode} before it answered; "
+            raise DemoFailed(f"the server exited with status {server.process.returncode} before it answered; "
                              f"see its log: {server.log}")
         try:
             with urllib.request.urlopen(f"{server.url}/health", timeout=2):
@@ -220,21 +142,23 @@ def free_port() -> int:
 
 # Waiting for both sides to report: the spans of every transfer, and the metrics counting the same transfers.
 
-def transfer_spans(spans: list[Span]) -> Counter[tuple[str, str]]:
+def transfer_spans(spans: list[ReceivedSpan]) -> Counter[tuple[str, str]]:
     """Transfer spans by (tier, direction)."""
     return Counter((span.attributes.get("kvcompose.connector.name"), span.attributes.get(f"{TRANSFER}.direction"))
                    for span in spans if span.name.startswith(f"{TRANSFER} "))
 
 
-def settled(traces: list[list[Span]], scrape: Scrape, tiers: list[str]) -> bool:
+def settled(traces: list[list[ReceivedSpan]], scrape: Scrape, tiers: list[str]) -> bool:
     """Every request's spans are in, and /metrics/ counts as many lookups and transfers as the spans show."""
-    requests = [[span for span in trace if span.name == "kvcompose.request"] for trace in traces]
-    if not all(requests) or not any(span.service != "kvcompose" for span in traces[-1]):
-        return False
-    for trace, (request,) in zip(traces, requests, strict=True):
-        shipped = transfer_spans(trace)
-        summarized = {tuple(key.split(".")[2:4]) for key in request.attributes if key.endswith("_bytes")}
-        if any(shipped[(tier, kind.removesuffix("_bytes"))] == 0 for tier, kind in summarized):
+    for trace in traces:
+        requests = [span for span in trace if span.name == "kvcompose.request"]
+        if not requests or all(span.service == "kvcompose" for span in trace):  # vLLM's own span is not in yet
+            return False
+        # The request span sums up its transfers per tier (kvcompose.tier.<tier>.<direction>_bytes): each has a span.
+        summarized = {tuple(key.removesuffix("_bytes").split(".")[2:4])
+                      for request in requests for key in request.attributes
+                      if key.startswith("kvcompose.tier.") and key.endswith("_bytes")}
+        if any(transfer_spans(trace)[transfer] == 0 for transfer in summarized):
             return False
     shipped = transfer_spans([span for trace in traces for span in trace])
     return all(scrape.total("kvcompose_lookups_total", connector=tier) == len(traces)
@@ -273,14 +197,14 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
-def label(span: Span) -> str:
+def label(span: ReceivedSpan) -> str:
     if span.service != "kvcompose":
         return f"{span.name} ({span.service})"
     tier = span.attributes.get("kvcompose.connector.name")
     return span.name if tier is None or span.name.startswith(f"{TRANSFER} ") else f"{span.name} {tier}"
 
 
-def detail(span: Span) -> str:
+def detail(span: ReceivedSpan) -> str:
     attributes = span.attributes
     if span.name == "kvcompose.request":
         loaded = attributes.get("kvcompose.tokens.loaded")
@@ -293,7 +217,7 @@ def detail(span: Span) -> str:
     return ""
 
 
-def waterfall(spans: list[Span]) -> list[str]:
+def waterfall(spans: list[ReceivedSpan]) -> list[str]:
     """The spans as rows of offset, duration, a bar on the trace's time line, and what each moved."""
     spans = sorted(spans, key=lambda span: (span.start_ns, -span.end_ns))
     first, last = spans[0].start_ns, max(span.end_ns for span in spans)
@@ -316,19 +240,27 @@ def display(path: Path) -> str:
     return f"~/{path.relative_to(Path.home())}" if path.is_relative_to(Path.home()) else str(path)
 
 
+def shown_command(command: list[str], model: Path) -> str:
+    """``command`` as a shell line, broken after the model into two."""
+    words = [display(model) if arg == str(model) else shlex.quote(arg) for arg in command]
+    split = command.index(str(model)) + 1
+    return f"$ {' '.join(words[:split])} \\\n    {' '.join(words[split:])}"
+
+
 def run(workdir: Path, receiver: SpanReceiver, started: float) -> None:
     model = ensure_tiny_model()
     port = free_port()
     log = workdir / "vllm.log"
-    environment = {"KVCOMPOSE_OFFLOAD_BYTES": str(OFFLOAD_BYTES), "KVCOMPOSE_DISK": str(workdir / "disk"),
+    offload_bytes = os.environ.get("KVCOMPOSE_OFFLOAD_BYTES", OFFLOAD_BYTES)
+    environment = {"KVCOMPOSE_OFFLOAD_BYTES": offload_bytes, "KVCOMPOSE_DISK": str(workdir / "disk"),
                    "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                    "OTEL_BSP_SCHEDULE_DELAY": "200"}  # vLLM batches its spans for 5 s by default
     command = serve_command(receiver.url, model, port)
-    shown = [display(model) if arg == str(model) else shlex.quote(arg) for arg in command]
     print(f"kvcompose demo: vLLM's OpenAI server on the CPU, a tiny random-weight model, {PIPELINE}:")
-    print(f"  tier offload: vLLM's OffloadingConnector on kvcompose's CPU spec, {OFFLOAD_BYTES >> 20} MiB of RAM")
-    print(f"  tier disk:    vLLM's ExampleConnector, files under {workdir / 'disk'}")
-    print(f"$ {' '.join(shown[:7])} \\\n    {' '.join(shown[7:])}")
+    print(f"  tier offload: vLLM's OffloadingConnector on kvcompose's CPU spec, "
+          f"KVCOMPOSE_OFFLOAD_BYTES={offload_bytes} bytes of RAM")
+    print(f"  tier disk:    vLLM's ExampleConnector, files under {environment['KVCOMPOSE_DISK']}")
+    print(shown_command(command, model))
     print("  (prefix caching off, else vLLM's GPU prefix cache serves the repeat and no tier loads)")
     print(f"vLLM's log: {log} (spans.json, metrics.txt beside it); starting ...", end="", flush=True)
     try:
@@ -337,9 +269,9 @@ def run(workdir: Path, receiver: SpanReceiver, started: float) -> None:
         print(" failed", flush=True)  # ends the line; the reason follows on stderr
         raise
     ready = time.monotonic()
-    print(f" ready after {ready - started:.1f} s", flush=True)
     traces = [secrets.token_hex(16), secrets.token_hex(16)]  # one trace per request, as a caller's tracer sends
     try:
+        print(f" ready after {ready - started:.1f} s", flush=True)
         send_requests(server, traces)
         answered = time.monotonic()
         text, scrape = wait_until_settled(server, receiver, traces)
@@ -381,11 +313,11 @@ def wait_until_settled(server: Server, receiver: SpanReceiver, traces: list[str]
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
         try:
-            text = server.metrics()
-        except OSError as error:
+            text, content_type = server.metrics()
+            scrape = parse(text, content_type, time.monotonic())
+            tiers = [row.name for row in frame(scrape, scrape).rows]
+        except (OSError, ValueError, ScrapeError) as error:
             raise DemoFailed(f"cannot read {server.url}/metrics/ ({error}); see vLLM's log: {server.log}") from None
-        scrape = parse(text, f"{OPENMETRICS}; version=1.0.0", time.monotonic())
-        tiers = [row.name for row in frame(scrape, scrape).rows]
         if settled([receiver.spans(trace_id) for trace_id in traces], scrape, tiers):
             return text, scrape
         if time.monotonic() > deadline:
@@ -405,6 +337,9 @@ def main() -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # whoever read the output left (`make demo | head`); the server is already stopped
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail again
+        return 1
     finally:
         receiver.stop()
         shutil.rmtree(workdir / "disk", ignore_errors=True)  # the log, spans and metrics stay
