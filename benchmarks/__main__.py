@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("hot_path", "request_cost", "request_rate", "transfer_cost", "stats_merge", "end_to_end")
+PARTS = ("hot_path", "request_cost", "request_rate", "transfer_cost", "stats_merge", "economics", "end_to_end")
 
 
 def machine() -> dict[str, Any]:
@@ -34,7 +34,16 @@ def machine() -> dict[str, Any]:
 
 
 def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
-    from benchmarks import end_to_end, hot_path, request_cost, request_rate, stats_merge, targets, transfer_cost
+    from benchmarks import (
+        economics,
+        end_to_end,
+        hot_path,
+        request_cost,
+        request_rate,
+        stats_merge,
+        targets,
+        transfer_cost,
+    )
 
     result: dict[str, Any] = {"machine": machine()}
     sections, checks = [], []
@@ -60,6 +69,11 @@ def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
         result["stats_merge"] = merged = stats_merge.measure()
         sections.append("### Stats\n\n" + stats_merge.table(merged))
         checks += targets.stats_checks(merged)
+    if "economics" in parts:
+        result["economics"] = sampled = economics.measure()
+        sections.append("### Tier economics: the SHARDS sampler against vLLM's hashing of the same requests\n\n"
+                        + economics.table(sampled))
+        checks += targets.economics_checks(sampled)
     if "end_to_end" in parts:
         result["end_to_end"] = e2e = end_to_end.measure(rounds=rounds)
         sections.append(f"### End to end (CPU engine, tiny model, median of {rounds} rounds)\n\n"

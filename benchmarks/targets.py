@@ -27,6 +27,8 @@ TRACED_REQUEST_MAX_EXTRA_US = {2: 50.0, 8: 100.0}
 # (5% of a core at 1000 requests/s; before, 100/s cost about 18% and 1000/s more than a core).
 TRACED_CORE_SHARE_MAX = TRACED_REQUEST_MAX_EXTRA_US[2] / 1e6
 TRANSFER_TRACKING_MAX_US = 1.0  # engine-thread CPU per transfer, tracing off
+# The scheduler's SHARDS sampler, per admitted request, as a share of vLLM's own hashing of its blocks.
+SAMPLER_MAX_PERCENT_OF_HASHING = 2.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,13 @@ def transfer_cost_checks(result: dict[str, Any]) -> list[Check]:
     cost = result["us_per_transfer"]["tracing_off"]
     return [Check(f"tracking a transfer, tracing off: <= {TRANSFER_TRACKING_MAX_US:.0f} us on the engine's thread",
                   f"{cost:.2f} us", cost <= TRANSFER_TRACKING_MAX_US)]
+
+
+def economics_checks(result: dict[str, Any]) -> list[Check]:
+    return [Check(f"the SHARDS sampler, prompts of {row['prompt_blocks']:,} blocks: <= "
+                  f"{SAMPLER_MAX_PERCENT_OF_HASHING:.0f}% of vLLM's hashing of the same blocks",
+                  f"{row['percent']:.2f}%", row["percent"] <= SAMPLER_MAX_PERCENT_OF_HASHING)
+            for row in result["cost"]]
 
 
 def stats_checks(result: dict[str, Any]) -> list[Check]:

@@ -15,12 +15,9 @@ hang is named by the engine and case it happened in.
 
 from __future__ import annotations
 
-import os
-
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported
-
 import gc
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -106,4 +103,7 @@ def main(plan_path: str) -> None:
 
 
 if __name__ == "__main__":
+    # Set here, not on import: tests/test_chaos.py imports this module for EVENT_PREFIX, and every engine the
+    # test session started after it would run in-process too.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     main(sys.argv[1])

@@ -86,9 +86,9 @@ def exporter() -> Any:
 @pytest.fixture(scope="session")
 def otlp_receiver() -> Any:
     """Receives the OTLP/HTTP spans of every server the tests start."""
-    from .otlp_support import start_receiver
+    from kvcompose.testing.otlp_receiver import SpanReceiver
 
-    receiver = start_receiver()
+    receiver = SpanReceiver()
     yield receiver
     receiver.stop()
 

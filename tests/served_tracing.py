@@ -11,19 +11,20 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .otlp_support import OtlpReceiver, ReceivedSpan, start_receiver
+from kvcompose.testing.otlp_receiver import ReceivedSpan, SpanReceiver
+
 from .server_support import Server, start_server
 
 PIPELINE = Path(__file__).resolve().parents[1] / "examples" / "observability" / "pipeline.yaml"
 
 
 def start_traced_server(model: Path, root: Path, module: str = "vllm.entrypoints.openai.api_server"
-                        ) -> tuple[Server, OtlpReceiver]:
+                        ) -> tuple[Server, SpanReceiver]:
     """The example pipeline with its stores under ``root``, and no span for a slow call (a request then makes
     the same spans every time, so that spans can be counted exactly)."""
     import yaml
 
-    receiver = start_receiver()
+    receiver = SpanReceiver()
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
     pipeline = yaml.safe_load(PIPELINE.read_text())
     for child in pipeline["children"]:
@@ -49,15 +50,15 @@ def traced_completion(server: Server, prompt: str, max_tokens: int = 8) -> tuple
     return trace_id, body["choices"][0]["text"]
 
 
-def kvcompose_spans(receiver: OtlpReceiver, trace_ids: set[str]) -> list[ReceivedSpan]:
-    return [span for span in receiver.received() if span.trace_id in trace_ids and span.name.startswith("kvcompose.")]
+def kvcompose_spans(receiver: SpanReceiver, trace_ids: set[str]) -> list[ReceivedSpan]:
+    return [span for span in receiver.spans() if span.trace_id in trace_ids and span.name.startswith("kvcompose.")]
 
 
 def span_names(spans: list[ReceivedSpan]) -> Counter[str]:
     return Counter(span.name for span in spans)
 
 
-def settled_spans(receiver: OtlpReceiver, trace_ids: set[str], quiet_s: float = 3.0,
+def settled_spans(receiver: SpanReceiver, trace_ids: set[str], quiet_s: float = 3.0,
                   timeout_s: float = 30.0) -> list[ReceivedSpan]:
     """The kvcompose spans of those traces once no more came for ``quiet_s``."""
     deadline, last, last_change = time.monotonic() + timeout_s, -1, time.monotonic()

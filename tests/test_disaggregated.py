@@ -239,7 +239,7 @@ def test_one_trace_holds_both_servers_spans(pd_pair: DisaggregatedPair, otlp_rec
         return wanted <= kvcompose_calls(spans) and sum(s.name == "llm_request" for s in spans) >= 2
 
     deadline = time.monotonic() + SETTLE_S
-    while not arrived(spans := [s for s in otlp_receiver.received() if s.trace_id == trace_id]):
+    while not arrived(spans := [s for s in otlp_receiver.spans() if s.trace_id == trace_id]):
         assert time.monotonic() < deadline, sorted((s.service, s.name) for s in spans)
         time.sleep(0.5)
 

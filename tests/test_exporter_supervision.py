@@ -18,12 +18,12 @@ import pytest
 
 from kvcompose.config import TracingSection
 from kvcompose.logs import ROOT_LOGGER, get_logger
+from kvcompose.testing.otlp_receiver import SpanReceiver
 from kvcompose.tracing.export_process import ENGINE_END_WAIT_S
 from kvcompose.tracing.records import IDS
 from kvcompose.tracing.ring import PID
 from kvcompose.tracing.shipping import FIRST_RESTART_S, ProcessShipper
 
-from .otlp_support import start_receiver
 from .span_engine import exporter_pids, records
 from .span_support import wait_until
 
@@ -66,7 +66,7 @@ def _shm_rings() -> set[str]:
 def test_a_killed_exporter_is_logged_once_restarted_and_every_span_is_delivered_or_counted(
     kvcompose_log: io.StringIO,
 ) -> None:
-    receiver = start_receiver()
+    receiver = SpanReceiver()
     shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
     sent = 0
     try:
@@ -92,8 +92,8 @@ def test_a_killed_exporter_is_logged_once_restarted_and_every_span_is_delivered_
         lost = report.dropped.get("exporter_down", 0)
         assert set(report.dropped) <= {"exporter_down"}
         shipper.close()
-        wait_until(lambda: len(receiver.received()) >= sent - lost, timeout_s=10)
-        received = receiver.received()
+        wait_until(lambda: len(receiver.spans()) >= sent - lost, timeout_s=10)
+        received = receiver.spans()
     finally:
         shipper.close()
         receiver.stop()
@@ -110,7 +110,7 @@ def test_a_killed_exporter_is_logged_once_restarted_and_every_span_is_delivered_
 def test_an_exporter_that_cannot_start_is_retried_with_growing_delays_and_logged_once(
     kvcompose_log: io.StringIO, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    receiver = start_receiver()
+    receiver = SpanReceiver()
     monkeypatch.setenv("PYTHONHOME", "/nonexistent")  # the exporter's interpreter dies at start
     shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
     restarts = 0
@@ -127,7 +127,7 @@ def test_an_exporter_that_cannot_start_is_retried_with_growing_delays_and_logged
         wait_until(restarted_three_times, timeout_s=30, poll_s=0.05)
         elapsed = time.monotonic() - began
         monkeypatch.delenv("PYTHONHOME")  # the next attempt starts
-        wait_until(lambda: len(receiver.received()) == 5, timeout_s=30)
+        wait_until(lambda: len(receiver.spans()) == 5, timeout_s=30)
     finally:
         shipper.close()
         receiver.stop()
@@ -143,7 +143,7 @@ def test_the_exporter_outlives_an_engine_killed_with_its_process_tree() -> None:
     flush time, and no ring file is left anywhere."""
     from vllm.utils.system_utils import kill_process_tree
 
-    receiver = start_receiver()
+    receiver = SpanReceiver()
     rings_before = _shm_rings()
     engine = subprocess.Popen([sys.executable, "-m", "tests.span_engine", receiver.endpoint, "300", str(FLUSH_S)],
                               cwd=REPOSITORY, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -153,7 +153,7 @@ def test_the_exporter_outlives_an_engine_killed_with_its_process_tree() -> None:
         kill_process_tree(engine.pid)
         killed_at = time.monotonic()
         engine.wait()
-        wait_until(lambda: len(receiver.received()) == 300, timeout_s=FLUSH_S)
+        wait_until(lambda: len(receiver.spans()) == 300, timeout_s=FLUSH_S)
         delivered_s = time.monotonic() - killed_at
         wait_until(lambda: not exporter_pids(engine.pid), timeout_s=FLUSH_S + 5)
     finally:

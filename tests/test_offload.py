@@ -361,10 +361,12 @@ def _series_total(name: str, **labels: str) -> float:
 
 
 def _engine_buffer_file(directory: Path) -> Path:
-    """The offload child's buffer file, as its worker process has it open (/proc/<pid>/fd/<n>)."""
+    """The offload child's buffer file, as its worker process has it open (/proc/<pid>/fd/<n>): a process
+    this one started, or this one (an engine run in-process, as an earlier test module may leave vLLM set)."""
     import psutil
 
-    found = [path for process in psutil.Process().children(recursive=True)
+    here = psutil.Process()
+    found = [path for process in (here, *here.children(recursive=True))
              for path in buffer_files(process.pid, directory)]
     assert found, f"no process of this engine has a buffer file open in {directory}"
     return found[0]

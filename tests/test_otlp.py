@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from kvcompose.testing.otlp_receiver import SpanReceiver
 from kvcompose.tracing.exporters import span_exporter
 from kvcompose.tracing.records import IDS, SpanRecord, resource_for, to_readable_spans
 from kvcompose.tracing.ring import EXPORTED, UNREADABLE, Ring
-
-from .otlp_support import start_receiver
 
 TEMPLATES = [
     ("kvcompose.request", {"kvcompose.pipeline": "tiers"}, ("kvcompose.tokens.prompt",)),
@@ -26,11 +25,11 @@ RECORDS = [tuple(record) for record in (
 
 
 def test_records_reach_the_collector_as_the_spans_they_describe() -> None:
-    receiver = start_receiver()
+    receiver = SpanReceiver()
     try:
         spans = to_readable_spans(RECORDS, TEMPLATES, resource_for("svc"), "1.2.3")
         assert span_exporter("otlp", receiver.endpoint).export(spans).name == "SUCCESS"
-        received = receiver.received()
+        received = receiver.spans()
     finally:
         receiver.stop()
 

@@ -70,11 +70,11 @@ def test_spans_of_requests_finished_before_an_offline_llm_shutdown_reach_the_col
 ) -> None:
     from kvcompose.config import load_pipeline
     from kvcompose.render import kv_transfer_config
+    from kvcompose.testing.otlp_receiver import SpanReceiver
 
     from .engine_support import generate, start_llm
-    from .otlp_support import start_receiver
 
-    receiver = start_receiver()
+    receiver = SpanReceiver()
     pipeline = {"version": 1, "name": "offline", "children": [
         {"name": "hot", "connector": "ExampleConnector", "config": {"shared_storage_path": str(tmp_path / "hot")}}],
         "tracing": {"enabled": True, "sample_ratio": 1.0, "endpoint": receiver.endpoint}}
@@ -89,7 +89,7 @@ def test_spans_of_requests_finished_before_an_offline_llm_shutdown_reach_the_col
         shutdown_s = time.monotonic() - began
 
         def request_spans() -> int:
-            return sum(1 for span in receiver.received() if span.name == "kvcompose.request")
+            return sum(1 for span in receiver.spans() if span.name == "kvcompose.request")
 
         wait_until(lambda: request_spans() == 3, timeout_s=FLUSH_S)
         wait_until(lambda: not any_exporter_left(exporters), timeout_s=FLUSH_S + 5)

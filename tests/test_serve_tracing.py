@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
+from kvcompose.testing.otlp_receiver import ReceivedSpan
 from kvcompose.testing.tiny_model import prompt_words
-
-from .otlp_support import ReceivedSpan
 
 pytestmark = pytest.mark.engine
 
@@ -20,7 +19,7 @@ KVCOMPOSE_KEYS = ("kvcompose.", "gen_ai.request.id", "error.type")
 def _wait_for(receiver: Any, trace_id: str, done: Any, seconds: float = 90) -> list[ReceivedSpan]:
     deadline = time.monotonic() + seconds
     while True:
-        spans = [span for span in receiver.received() if span.trace_id == trace_id]
+        spans = [span for span in receiver.spans() if span.trace_id == trace_id]
         if done(spans) or time.monotonic() > deadline:
             return spans
         time.sleep(0.5)

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 
 from kvcompose.config import TracingSection
+from kvcompose.testing.otlp_receiver import SpanReceiver
 from kvcompose.tracing.export_process import CHECK_ENGINE_S, READ_EVERY_S
 from kvcompose.tracing.records import IDS, SpanRecord
 from kvcompose.tracing.ring import READ, SLEEPING, Ring
 from kvcompose.tracing.sampling import Sampling, sampling_for
 from kvcompose.tracing.shipping import ProcessShipper
 
-from .otlp_support import start_receiver
 from .span_support import wait_until
 
 
@@ -30,15 +30,15 @@ def _records(shipper: ProcessShipper, count: int, trace_id: int) -> list[tuple]:
 
 
 def test_the_exporter_process_exports_records_as_spans_with_their_ids() -> None:
-    receiver = start_receiver()
+    receiver = SpanReceiver()
     try:
         shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint, service_name="svc"), "0")
         trace_id = IDS.trace_id()
         sent = _records(shipper, 3, trace_id)
         shipper.ship(sent)
         shipper.close()  # end of input: it flushes, then exits
-        wait_until(lambda: len(receiver.received()) == 3, timeout_s=5)
-        received = receiver.received()
+        wait_until(lambda: len(receiver.spans()) == 3, timeout_s=5)
+        received = receiver.spans()
     finally:
         receiver.stop()
 
@@ -54,7 +54,7 @@ def test_a_shipper_closed_and_used_again_ships_its_templates_to_the_new_exporter
     """Two composites of one pipeline in one process share a shipper; when the first one
     shuts down, the second one's next batch starts a new exporter process, which must be
     told every template again (it once died on the first record of a known template)."""
-    receiver = start_receiver()
+    receiver = SpanReceiver()
     try:
         shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
         first, second = IDS.trace_id(), IDS.trace_id()
@@ -62,8 +62,8 @@ def test_a_shipper_closed_and_used_again_ships_its_templates_to_the_new_exporter
         shipper.close()
         shipper.ship(_records(shipper, 3, second))
         shipper.close()
-        wait_until(lambda: len(receiver.received()) == 5, timeout_s=10)
-        received = receiver.received()
+        wait_until(lambda: len(receiver.spans()) == 5, timeout_s=10)
+        received = receiver.spans()
     finally:
         receiver.stop()
 
@@ -74,7 +74,7 @@ def test_a_shipper_closed_and_used_again_ships_its_templates_to_the_new_exporter
 def test_a_sleeping_exporter_is_woken_by_a_ship() -> None:
     """An idle exporter sleeps (no polling) and checks its engine only every CHECK_ENGINE_S: records shipped
     meanwhile must wake it at once, not wait for that check."""
-    receiver = start_receiver()
+    receiver = SpanReceiver()
     shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
     try:
         shipper.ship(_records(shipper, 2, IDS.trace_id()))
@@ -94,7 +94,7 @@ def test_a_sleeping_exporter_is_woken_by_a_ship() -> None:
 def _exporter_that_just_read() -> Iterator[tuple[ProcessShipper, Ring]]:
     """A shipper whose exporter process has just read its first ship (records came: it reads again in
     READ_EVERY_S, unless woken), and the ring between them."""
-    receiver = start_receiver()
+    receiver = SpanReceiver()
     shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
     try:
         shipper.ship(_records(shipper, 2, IDS.trace_id()))

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import yaml
 
+from kvcompose.testing.otlp_receiver import ReceivedSpan
 from kvcompose.testing.tiny_model import prompt_words
 
 from .engine_support import greedy
-from .otlp_support import ReceivedSpan
 from .prometheus_support import api, start_prometheus, wait
 from .server_support import Server, start_server
 
@@ -56,7 +56,7 @@ def offload_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, o
 def _transfers(receiver: Any, trace_id: str, done: Any, seconds: float = 90) -> list[ReceivedSpan]:
     deadline = time.monotonic() + seconds
     while True:
-        spans = [s for s in receiver.received() if s.trace_id == trace_id and s.name.startswith("kvcompose.transfer ")]
+        spans = [s for s in receiver.spans() if s.trace_id == trace_id and s.name.startswith("kvcompose.transfer ")]
         if done(spans) or time.monotonic() > deadline:
             return spans
         time.sleep(0.5)
@@ -120,7 +120,7 @@ def test_offload_transfers_are_traced_measured_and_exemplified(
             metrics, "vllm:external_prefix_cache_hits_total") > 0
 
     # The repeat's request span says which tier loaded it, and what its transfers did.
-    (repeat,) = [span for span in otlp_receiver.received() if span.trace_id == traces[1]
+    (repeat,) = [span for span in otlp_receiver.spans() if span.trace_id == traces[1]
                  and span.name == "kvcompose.request"]
     assert repeat.attributes["kvcompose.load.connector"] == "offload"
     assert repeat.attributes["kvcompose.tier.offload.load_bytes"] == sum(

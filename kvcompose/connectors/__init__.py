@@ -7,8 +7,7 @@ defines alone, such as the circuit breaker, does not import the composite.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from kvcompose.lazy import lazy_attributes
 
 _EXPORTS = {
     "KVComposeConnector": "kvcompose.connectors.composite",
@@ -17,8 +16,4 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'kvcompose.connectors' has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -1,7 +1,8 @@
 """An OTLP/HTTP trace receiver on loopback: a server's spans, decoded, where no collector runs.
 
 ``make demo`` points ``kvcompose serve --trace`` (kvcompose's spans and
-vLLM's own) at one, then draws a trace from what arrived. It accepts the
+vLLM's own) at one, then draws a trace from what arrived; the tests read
+the spans of real servers from one. It accepts the
 protobuf body opentelemetry-python's ``OTLPSpanExporter`` posts (gzipped or
 not) on any path, answers 200, and keeps every span in memory.
 """
@@ -25,10 +26,18 @@ class ReceivedSpan:
     start_ns: int  # Unix time
     end_ns: int
     attributes: dict[str, Any]
+    status_code: int = 0  # OTLP's: 0 unset, 1 ok, 2 error
+    status_message: str = ""
+    links: tuple[tuple[str, str], ...] = ()  # (trace id, span id)
+    events: tuple[tuple[str, int, tuple[tuple[str, Any], ...]], ...] = ()  # (name, Unix time ns, attributes)
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
 
     @property
     def seconds(self) -> float:
-        return (self.end_ns - self.start_ns) / 1e9
+        return self.duration_ns / 1e9
 
 
 class SpanReceiver:
@@ -62,6 +71,11 @@ class SpanReceiver:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
+    @property
+    def endpoint(self) -> str:
+        """The OTLP/HTTP traces endpoint, for exporters given a full URL."""
+        return f"{self.url}/v1/traces"
+
     def spans(self, trace_id: str | None = None) -> list[ReceivedSpan]:
         """The spans received so far, in arrival order; only those of ``trace_id`` if given."""
         with self._lock:
@@ -75,10 +89,14 @@ class SpanReceiver:
             resource = {item.key: _value(item.value) for item in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    attributes = {item.key: _value(item.value) for item in span.attributes}
-                    spans.append(ReceivedSpan(str(resource.get("service.name", "")), span.name, span.trace_id.hex(),
-                                              span.span_id.hex(), span.parent_span_id.hex(),
-                                              span.start_time_unix_nano, span.end_time_unix_nano, attributes))
+                    spans.append(ReceivedSpan(
+                        str(resource.get("service.name", "")), span.name, span.trace_id.hex(), span.span_id.hex(),
+                        span.parent_span_id.hex(), span.start_time_unix_nano, span.end_time_unix_nano,
+                        {item.key: _value(item.value) for item in span.attributes}, span.status.code,
+                        span.status.message, tuple((link.trace_id.hex(), link.span_id.hex()) for link in span.links),
+                        tuple((event.name, event.time_unix_nano,
+                               tuple((item.key, _value(item.value)) for item in event.attributes))
+                              for event in span.events)))
         with self._lock:
             self._spans.extend(spans)
 

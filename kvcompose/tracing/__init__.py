@@ -6,8 +6,7 @@ records, the ring and the exporters) starts without the connector's imports.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from kvcompose.lazy import lazy_attributes
 
 _EXPORTS = {
     "PipelineTracer": "kvcompose.tracing.pipeline",
@@ -18,8 +17,4 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'kvcompose.tracing' has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
