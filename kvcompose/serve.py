@@ -20,7 +20,9 @@ it, is passed as ``--model MODEL``.
 ``--trace ENDPOINT`` turns tracing on without editing the file: the pipeline
 is passed inline with ``tracing.enabled`` and that endpoint, and vLLM gets
 ``--otlp-traces-endpoint`` with OTLP over HTTP, so both sides' spans reach
-one collector in one trace. vLLM's spans are named service "vllm"
+one collector, and kvcompose's shared-trace middleware (``--middleware``,
+kvcompose.shared_trace), so they are one trace per request even when the
+caller sent no traceparent. vLLM's spans are named service "vllm"
 (``OTEL_SERVICE_NAME``, unless set), kvcompose's by ``tracing.service_name``.
 """
 
@@ -40,9 +42,11 @@ from kvcompose.checks import CheckedPipeline, check_pipeline, vllm_installed
 from kvcompose.command_line import EXIT_FAILURE, refuse
 from kvcompose.config import Pipeline, load_pipeline
 from kvcompose.render import kv_transfer_config
+from kvcompose.shared_trace import ROOT_SAMPLE_RATIO_ENV
 from kvcompose.vllm_names import COMPOSITE_CONNECTOR, COMPOSITE_HMA_CONNECTOR
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SHARED_TRACE_MIDDLEWARE = "kvcompose.shared_trace.SharedTraceMiddleware"
 VLLM_SERVICE_NAME = "vllm"
 OTLP_TRACES_PATH = "/v1/traces"
 OWN_OPTIONS = ("--trace", "--dry-run")
@@ -79,7 +83,7 @@ def _serve(args: argparse.Namespace) -> None:
     config = kv_transfer_config(checked.pipeline, _reference(checked, endpoint))
     config["kv_connector"] = connector
     command = server_command(args.vllm_args, config, endpoint)
-    settings = server_environment(os.environ, endpoint)
+    settings = server_environment(os.environ, endpoint, checked.pipeline.tracing.sample_ratio)
     if args.dry_run:
         print(shlex.join([*(f"{name}={value}" for name, value in settings.items()), *command]))
         return
@@ -150,12 +154,18 @@ def server_command(vllm_args: Sequence[str], config: Mapping[str, Any], endpoint
         args[:1] = ["--model", args[0]]
     command = [sys.executable, *QUIET_MODULE_DEPRECATION, "-m", SERVER_MODULE, *args,
                "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
-    return command + (["--otlp-traces-endpoint", endpoint] if endpoint else [])
+    if endpoint:  # vLLM traces too, and a request without a traceparent gets one both sides share
+        command += ["--otlp-traces-endpoint", endpoint, "--middleware", SHARED_TRACE_MIDDLEWARE]
+    return command
 
 
-def server_environment(environ: Mapping[str, str], endpoint: str | None) -> dict[str, str]:
-    """The variables the server gets beside ``environ``: vLLM's service name and, tracing, OTLP over HTTP."""
+def server_environment(environ: Mapping[str, str], endpoint: str | None,
+                       sample_ratio: float | None = None) -> dict[str, str]:
+    """The variables the server gets beside ``environ``: vLLM's service name and, tracing, OTLP over HTTP and
+    the pipeline's sample ratio for the shared-trace middleware."""
     settings = {} if "OTEL_SERVICE_NAME" in environ else {"OTEL_SERVICE_NAME": VLLM_SERVICE_NAME}
     if endpoint is not None:
         settings["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # vLLM's default is gRPC
+        if sample_ratio is not None:
+            settings[ROOT_SAMPLE_RATIO_ENV] = repr(sample_ratio)
     return settings

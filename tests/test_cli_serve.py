@@ -26,6 +26,7 @@ from kvcompose.testing.tiny_model import prompt_words
 from kvcompose.top import COLUMNS
 
 from .server_support import Server, free_port, launch, server_options
+from .span_support import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 CHOSE_PLAIN = ("kvcompose: serving pipeline 'offload-then-disk' as KVComposeConnector: 'disk' (ExampleConnector) "
@@ -104,7 +105,8 @@ def test_dry_run_shows_the_server_command(tmp_path: Path, capsys: pytest.Capture
     assert words[2:words.index("--kv-transfer-config")] == [
         sys.executable, "-W", "ignore::DeprecationWarning:__main__", "-m", "vllm.entrypoints.openai.api_server",
         "--model", "/models/m", "--port", "8001", "--max-model-len=512"]
-    assert words[-2:] == ["--otlp-traces-endpoint", "http://collector:4318/v1/traces"]
+    assert words[-4:] == ["--otlp-traces-endpoint", "http://collector:4318/v1/traces",
+                          "--middleware", "kvcompose.shared_trace.SharedTraceMiddleware"]
     assert config["kv_connector"] == "KVComposeConnector"
     # Traced inline: the file itself is unchanged, its references still unresolved for the engine to resolve.
     pipeline = config["kv_connector_extra_config"]["pipeline"]
@@ -116,6 +118,7 @@ def test_dry_run_shows_the_server_command(tmp_path: Path, capsys: pytest.Capture
     config = json.loads(words[words.index("--kv-transfer-config") + 1])
     assert config["kv_connector_extra_config"]["pipeline"] == str(path.resolve())
     assert words[0] == "OTEL_SERVICE_NAME=vllm" and "--otlp-traces-endpoint" not in words
+    assert "--middleware" not in words
 
 
 def test_hma_composite_when_every_child_supports_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -198,6 +201,24 @@ def test_both_sides_spans_share_the_callers_trace(served: Server, otlp_receiver:
     assert not [span for span in otlp_receiver.spans() if span.service.startswith("unknown_service")]
 
 
+@pytest.mark.engine
+def test_a_request_without_a_traceparent_is_one_trace_too(served: Server, otlp_receiver: Any) -> None:
+    """kvcompose serve --trace gives vLLM a middleware that adds a traceparent where the caller sent none: vLLM's
+    llm_request and kvcompose's request span share its trace (without it, they would be two traces)."""
+    known = {span.trace_id for span in otlp_receiver.spans()}
+    served.complete(prompt_words(seed=47, length=200))
+    both = {("vllm", "llm_request"), ("kvcompose", "kvcompose.request")}
+
+    def shared() -> bool:
+        by_trace: dict[str, set[tuple[str, str]]] = {}
+        for span in otlp_receiver.spans():
+            if span.trace_id not in known:
+                by_trace.setdefault(span.trace_id, set()).add((span.service, span.name))
+        return any(both <= names for names in by_trace.values())
+
+    wait_until(shared, timeout_s=30)
+
+
 def metric_total(metrics: str, name: str, **labels: str) -> float:
     """A series' sum over its other labels, read from the classic text format line by line."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
@@ -232,4 +253,5 @@ def test_top_once_shows_each_tier_after_traffic(served: Server, otlp_receiver: A
         for column in columns:
             assert re.fullmatch(durations, words[column]), (COLUMNS[column], words)
     assert re.fullmatch("[0-9a-f]{32}", offload[13]), offload
-    assert any(span.name.startswith("kvcompose.transfer") for span in spans_of(otlp_receiver, offload[13], set()))
+    wait_until(lambda: any(span.name.startswith("kvcompose.transfer") for span in otlp_receiver.spans(offload[13])),
+               timeout_s=30)  # the exporter ships every few seconds

@@ -108,7 +108,9 @@ def waterfall(run: DemoRun) -> dict[str, re.Match[str]]:
 
 
 def test_make_demo_runs_the_script_this_test_runs() -> None:
-    recipe = subprocess.run(["make", "-n", "demo"], cwd=REPO, capture_output=True, text=True, check=True)
+    # --no-print-directory: under `make test`, a nested make would name the directory it enters and leaves.
+    recipe = subprocess.run(["make", "--no-print-directory", "-n", "demo"], cwd=REPO, capture_output=True,
+                            text=True, check=True)
     assert recipe.stdout.splitlines()[-1].split() == [".venv/bin/python", *DEMO]
 
 

@@ -240,7 +240,8 @@ def test_one_trace_holds_both_servers_spans(pd_pair: DisaggregatedPair, otlp_rec
 
     deadline = time.monotonic() + SETTLE_S
     while not arrived(spans := [s for s in otlp_receiver.spans() if s.trace_id == trace_id]):
-        assert time.monotonic() < deadline, sorted((s.service, s.name) for s in spans)
+        assert time.monotonic() < deadline, (sorted(wanted - kvcompose_calls(spans)),
+                                             sum(s.name == "llm_request" for s in spans))  # missing
         time.sleep(0.5)
 
     assert sum(s.name == "llm_request" for s in spans) == 2  # vLLM's own span on each server

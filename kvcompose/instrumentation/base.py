@@ -292,7 +292,9 @@ class Instrumentation:
         if (transfers := self.transfer_recorder.take()) is not None:
             tables[TRANSFERS_KEY] = transfers
         tables.update(self.reports(idle))
-        if self._reports_span_telemetry and (now := time_ns()) >= self._telemetry_due:
+        # Span export's counters every TELEMETRY_EVERY_S, and as the engine goes idle: the last change before a
+        # pause (an exporter restarted as traffic ended) is not left waiting for the next request.
+        if self._reports_span_telemetry and ((now := time_ns()) >= self._telemetry_due or idle):
             self._telemetry_due = now + int(TELEMETRY_EVERY_S * 1e9)
             assert self.tracer is not None
             if (telemetry := self.tracer.telemetry()) is not None:
