@@ -4,12 +4,13 @@ Scheduler side (:class:`StreamSampler`): each admitted request's block hashes
 (``Request.block_hashes``, computed by vLLM already) go to a SHARDS sampler
 (kvcompose.economics.shards) once, at the request's first admission. Every
 :data:`REPORT_EVERY_S` while blocks are referenced, and as the engine goes
-idle (so an idle engine shows its latest), the scheduler reports the
-estimated hit ratio of an LRU cache at each size of a grid (powers of two,
-the GPU cache's size and each tier's), and each tier's write waste; its
-first report adds the capacities
-(the GPU cache's blocks, and a tier's where its config says: vLLM's
-OffloadingConnector and kvcompose's CPU spec) and the bytes of a block.
+idle if a second has passed (so an idle engine shows its traffic but for
+its last second at most), the scheduler reports the estimated hit ratio of
+an LRU cache at each size of a grid (powers of two, the GPU cache's size and
+each tier's), and each tier's write waste; its first report adds the
+capacities (the GPU cache's blocks, and a tier's where its config says:
+vLLM's OffloadingConnector and kvcompose's CPU spec) and the bytes of a
+block.
 
 Worker side (:class:`PrefillCost`): the engine's marginal cost of prefilling
 a token, fitted to the steps the worker observes (those whose engine wait it
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from kvcompose.connectors.children import ChildSpec
 
 REPORT_EVERY_S = 5.0
+# As the engine goes idle, the curve is reported if this long passed since the last report: computing it costs
+# tens of microseconds, and an engine serving one request at a time goes idle after each.
+IDLE_REPORT_AFTER_S = 1.0
 # The prefill cost's fit: a step's weight halves over this many later steps. It needs this many steps'
 # weight, and the steps' prefill sizes to spread (a standard deviation the decodes do not explain) by this
 # many tokens and this share of their mean.
@@ -82,7 +86,7 @@ class StreamSampler:
         self._sampler = ReuseDistanceSampler(self._grid[-1], reaches=list(self._reaches.values()))
         self._static: dict[str, Any] | None = {
             "capacities": {**self._capacities, GPU: gpu_blocks}, "block_bytes": block_bytes}
-        self._next_report = 0.0
+        self._reported_at = -math.inf
         self._reported_references = 0
 
     def admitted(self, request: Request) -> None:
@@ -91,13 +95,14 @@ class StreamSampler:
             self._sampler.record_hashes(block_hashes)
 
     def report(self, now: bool = False) -> EconomicsReport | None:
-        """What to report: None until :data:`REPORT_EVERY_S` passed since the last report (unless ``now``),
-        or when no block was referenced since."""
+        """What to report: None until :data:`REPORT_EVERY_S` passed since the last report (``now``, as the
+        engine goes idle: :data:`IDLE_REPORT_AFTER_S`), or when no block was referenced since."""
         references = self._sampler.stream_references
-        if ((at := monotonic()) < self._next_report and not now) or (
+        since_s = (at := monotonic()) - self._reported_at
+        if since_s < (IDLE_REPORT_AFTER_S if now else REPORT_EVERY_S) or (
                 self._static is None and references == self._reported_references):
             return None
-        self._next_report, self._reported_references = at + REPORT_EVERY_S, references
+        self._reported_at, self._reported_references = at, references
         report = EconomicsReport(**(self._static or {}))
         self._static = None
         if self._sampler.references > 0:
