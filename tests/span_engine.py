@@ -45,13 +45,15 @@ if __name__ == "__main__":
 
 def exporter_pids(engine_pid: int) -> list[int]:
     """The exporter processes an engine process started (they are not its descendants: see
-    kvcompose.tracing.export_process)."""
+    kvcompose.tracing.export_process). Run as ``python -m``: the short-lived launcher that forks each one names
+    the module too, as an argument of its ``-c`` code, and is not an exporter."""
     import psutil
 
     found = []
     for process in psutil.process_iter(["cmdline"]):
         command = process.info["cmdline"] or []
-        if EXPORT_MODULE in command and command[command.index(EXPORT_MODULE) + 1] == str(engine_pid):
+        if EXPORT_MODULE in command and (at := command.index(EXPORT_MODULE)) > 0 and command[at - 1] == "-m" \
+                and command[at + 1] == str(engine_pid):
             found.append(process.pid)
     return found
 
