@@ -1,4 +1,4 @@
-"""Cells into Prometheus histograms: in bulk where the series is prometheus_client's own, observed otherwise."""
+"""Cells into Prometheus histograms: each cell's calls observed inside their bucket, through ``observe`` only."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvcompose.metrics.histograms import TRACE_ID_LABEL, adds_in_bulk, cell_adder, replay_cell
+from kvcompose.metrics.histograms import TRACE_ID_LABEL, cell_adder
 
 BOUNDS = (0.001, 0.01, 0.1)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -22,34 +22,32 @@ def _series(registry: CollectorRegistry) -> Any:
     return histogram.labels("hot")
 
 
-def test_prometheus_clients_histogram_is_added_to_in_bulk() -> None:
-    """If a prometheus_client release hides the bucket values, this fails: cells would cost an observation
-    per call again (correct, but the cost issue 16 removed)."""
-    assert adds_in_bulk(_series(CollectorRegistry()), BOUNDS)
-
-
-def test_a_cell_added_in_bulk_exports_what_its_calls_observed_one_by_one_would() -> None:
-    bulk, replayed = CollectorRegistry(), CollectorRegistry()
-    add, series = cell_adder(_series(bulk), BOUNDS), _series(replayed)
-    for bucket, count, seconds in CELLS:
-        add(bucket, count, seconds, None)
-        replay_cell(series, BOUNDS, bucket, count, seconds)
-    assert _samples(bulk) == pytest.approx(_samples(replayed))
-    assert _samples(bulk)[("kvcompose_test_seconds_count", ())] == 46
-
-
-def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample's value but the series' creation times."""
-    return {(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "connector"))): sample.value
+def _samples(registry: CollectorRegistry) -> dict[str, float]:
+    """Every sample's value by name and bound, but the series' creation times."""
+    return {sample.name + sample.labels.get("le", ""): sample.value
             for family in text_string_to_metric_families(generate_latest(registry).decode())
             for sample in family.samples if not sample.name.endswith("_created")}
 
 
-def test_the_bulk_bucket_carries_its_exemplar() -> None:
+def test_cells_export_their_calls_bucket_by_bucket_and_their_exact_sum() -> None:
+    registry = CollectorRegistry()
+    add = cell_adder(_series(registry), BOUNDS)
+    for bucket, count, seconds in CELLS:
+        add(bucket, count, seconds, None)
+    samples = _samples(registry)
+    # Cumulative buckets: 3 calls <= 1 ms, 43 <= 10 ms, 44 <= 100 ms, 46 in all.
+    assert [samples[f"kvcompose_test_seconds_bucket{bound}"] for bound in ("0.001", "0.01", "0.1", "+Inf")] \
+        == [3, 43, 44, 46]
+    assert samples["kvcompose_test_seconds_count"] == 46
+    assert samples["kvcompose_test_seconds_sum"] == pytest.approx(sum(seconds for _, _, seconds in CELLS))
+
+
+def test_the_cells_bucket_carries_its_exemplar() -> None:
     registry = CollectorRegistry()
     cell_adder(_series(registry), BOUNDS)(1, 5, 0.02, (TRACE_ID, 0.004))
     exposition = generate_openmetrics(registry).decode()
     assert f'le="0.01"}} 5.0 # {{{TRACE_ID_LABEL}="{TRACE_ID}"}} 0.004' in exposition
+    assert _samples(registry)["kvcompose_test_seconds_sum"] == pytest.approx(0.02)
 
 
 class _Observed:
@@ -62,13 +60,13 @@ class _Observed:
         self.values.append(value)
 
 
-def test_any_other_series_is_fed_one_observation_per_call_inside_the_bucket() -> None:
+def test_any_series_with_observe_is_fed_one_observation_per_call_inside_the_bucket() -> None:
     series = _Observed()
-    assert not adds_in_bulk(series, BOUNDS)
     cell_adder(series, BOUNDS)(1, 4, 0.02, None)
     assert series.values == pytest.approx([0.005] * 4)
 
 
-def test_a_histogram_with_other_bounds_is_observed_rather_than_misfiled() -> None:
-    other = Histogram("kvcompose_other_seconds", "test", buckets=(1.0, 2.0), registry=CollectorRegistry())
-    assert not adds_in_bulk(other, BOUNDS)
+def test_a_mean_that_rounding_pushes_over_its_bound_stays_in_its_bucket() -> None:
+    series = _Observed()
+    cell_adder(series, BOUNDS)(1, 3, 0.03 + 1e-12, None)  # the mean lies a hair over 10 ms
+    assert all(BOUNDS[0] < value <= BOUNDS[1] for value in series.values)

@@ -9,9 +9,8 @@ Children's own metrics are built once per child class with an extra
 index, so two children of one class no longer register the same series
 twice (vLLM issue 39906) and stay apart on the dashboard.
 
-Histograms are fed whole cells, one bucket and sum increment each where the
-series allows (kvcompose.metrics.histograms); the transfer series, exemplars
-included, are kvcompose.metrics.transfer_series.
+Histograms are fed whole cells (kvcompose.metrics.histograms); the transfer
+series, exemplars included, are kvcompose.metrics.transfer_series.
 """
 
 from __future__ import annotations
@@ -52,19 +51,36 @@ _COUNTER_SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+# Every collector kvcompose made in this process, so that a later engine can drop them.
+_made: list[Any] = []
+
+
+def _remembered(metric_type: Any) -> Any:
+    """``metric_type``, as a factory that also remembers each collector it makes."""
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        collector = metric_type(*args, **kwargs)
+        _made.append(collector)
+        return collector
+
+    return make
+
+
 def unregister_kvcompose_metrics() -> None:
-    """Drop kvcompose's series from prometheus_client's default registry.
+    """Drop the series kvcompose registered in prometheus_client's default registry.
 
     A second engine in one process (two ``LLM`` objects, a test session)
     builds the metrics again, and the default registry refuses a name it
     holds ("Duplicated timeseries"). vLLM drops its own ``vllm:`` series at
     that point and kvcompose drops its ``kvcompose_`` ones, so the newest
-    engine's series are exported. prometheus_client has no public way to list
-    collectors; its ``_collector_to_names`` mapping is what vLLM reads too.
+    engine's series are exported.
     """
-    for collector, names in list(REGISTRY._collector_to_names.items()):
-        if any(name.startswith(METRIC_PREFIX) for name in names):
+    while _made:
+        collector = _made.pop()
+        try:
             REGISTRY.unregister(collector)
+        except KeyError:  # not in the default registry: Ray's metric types, or already dropped
+            pass
 
 
 class KVComposePromMetrics(KVConnectorPromMetrics):
@@ -77,8 +93,10 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
         pipeline: Pipeline,
         specs: list[ChildSpec],
     ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         unregister_kvcompose_metrics()
+        children_metric_types = metric_types  # the children's own (vllm:) series are vLLM's to drop
+        metric_types = {base: _remembered(made) for base, made in metric_types.items()}
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         names = [*labelnames, CONNECTOR_LABEL]
         self._latency_bounds = tuple(pipeline.metrics.latency_buckets)
         self.duration = self._histogram_cls(
@@ -170,7 +188,7 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
                 self.spans_dropped.labels(*engine_labels, reason)
             self.spans_queued.labels(*engine_labels).set(0)
             self.exporter_restarts.labels(*engine_labels)
-        self._native = _NativeChildMetrics(metric_types, labelnames, per_engine_labelvalues, specs)
+        self._native = _NativeChildMetrics(children_metric_types, labelnames, per_engine_labelvalues, specs)
         # What engine processes publish while no stats flow (kvcompose.live): subscribe a key to set a gauge.
         self.live = LiveView(engine_ids(vllm_config, per_engine_labelvalues))
         self.live.subscribe(LIVE_SPANS_QUEUED, self._set_spans_queued)
