@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn, Protocol
 
 EXIT_USAGE = 2  # bad input or misuse: nothing was started or written
 EXIT_FAILURE = 1  # the input was fine but the environment was not (a server down, a package missing)
+
+
+class Commands(Protocol):
+    """Where a module adds its subcommands: what ``ArgumentParser.add_subparsers()`` returns."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
 class CommandParser(argparse.ArgumentParser):

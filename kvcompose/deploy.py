@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from kvcompose.alerts import RUNBOOK_URL_BASE, AlertSettingError, rule_groups
-from kvcompose.command_line import EXIT_USAGE, CommandParser
+from kvcompose.command_line import CommandParser, Commands, EXIT_USAGE
 
 ALERTS_FILE = "deploy/prometheus/alerts.yaml"
 PROMETHEUS_RULE_FILE = "deploy/kubernetes/prometheusrule.yaml"
@@ -78,7 +78,7 @@ def derived_files() -> dict[str, str]:
     }
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:
+def add_commands(commands: Commands) -> None:
     """Register ``alerts`` and ``generate`` on a subcommand parser (``kvcompose``'s)."""
     alerts = commands.add_parser("alerts", help="print the Prometheus alert rules, with your thresholds")
     alerts.add_argument("--set", dest="overrides", action="append", default=[], metavar="ALERT.PARAMETER=VALUE",

@@ -39,7 +39,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvcompose.checks import CheckedPipeline, check_pipeline, vllm_installed
-from kvcompose.command_line import EXIT_FAILURE, refuse
+from kvcompose.command_line import Commands, EXIT_FAILURE, refuse
 from kvcompose.config import Pipeline, load_pipeline
 from kvcompose.render import kv_transfer_config
 from kvcompose.shared_trace import ROOT_SAMPLE_RATIO_ENV
@@ -54,7 +54,7 @@ OWN_OPTIONS = ("--trace", "--dry-run")
 QUIET_MODULE_DEPRECATION = ("-W", "ignore::DeprecationWarning:__main__")
 
 
-def add_command(commands: argparse._SubParsersAction) -> None:
+def add_command(commands: Commands) -> None:
     serve = commands.add_parser(
         "serve", help="check a pipeline, then run vLLM's OpenAI server with it",
         usage="kvcompose serve [--trace ENDPOINT] [--dry-run] PIPELINE [MODEL] [vllm serve options...]",

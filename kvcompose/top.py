@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kvcompose.command_line import EXIT_FAILURE, refuse
+from kvcompose.command_line import Commands, EXIT_FAILURE, refuse
 
 OPENMETRICS = "application/openmetrics-text"
 PREFIX = "kvcompose_"
@@ -55,7 +55,7 @@ class ScrapeError(Exception):
     """The server could not be read, or holds no kvcompose series; the message is one line."""
 
 
-def add_command(commands: argparse._SubParsersAction) -> None:
+def add_command(commands: Commands) -> None:
     top = commands.add_parser("top", help="watch one server's tiers live, from its /metrics/ (no Prometheus)",
                               description="A live per-tier view of one vLLM server running a kvcompose pipeline: "
                               "hit ratio, transfers and bytes per second, copy and lifetime p50/p99, in flight, "

@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvcompose.command_line import refuse
+from kvcompose.command_line import Commands, refuse
 from kvcompose.economics.advice import Advice, TierAdvice, advise, gib_text
 from kvcompose.economics.observations import InputError, Observations
 
@@ -35,7 +35,7 @@ EXIT_NET_NEGATIVE = 1
 DEFAULT_SINCE = "6h"
 
 
-def add_command(commands: argparse._SubParsersAction) -> None:
+def add_command(commands: Commands) -> None:
     advise = commands.add_parser(
         "advise", help="per-tier value and sizing advice from a saved /metrics or Prometheus; exit 1 if a tier "
         "is net negative", description="Per tier: hit ratio, tokens served per second, prefill seconds saved per "

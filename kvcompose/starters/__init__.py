@@ -14,7 +14,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from kvcompose.command_line import refuse
+from kvcompose.command_line import Commands, refuse
 
 STARTERS = {
     "offload": "a CPU offload tier (vLLM's OffloadingConnector, kvcompose's CPU spec) in front of a disk tier",
@@ -31,7 +31,7 @@ def starter_text(kind: str) -> str:
     return resources.files(__name__).joinpath(f"{kind}.yaml").read_text(encoding="utf-8")
 
 
-def add_command(commands: argparse._SubParsersAction) -> None:
+def add_command(commands: Commands) -> None:
     init = commands.add_parser("init", help="write a commented starter pipeline (default: --offload)")
     kinds = init.add_mutually_exclusive_group()
     for kind, description in STARTERS.items():
