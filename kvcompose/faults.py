@@ -11,9 +11,8 @@ The settings are the connector's ``kv_connector_extra_config``::
 
 Or, to change the faults of a running engine, ``faults_file: /etc/kvcompose/faults.yaml``
 instead of ``faults``: the file holds what ``faults`` would, and is read again
-whenever it changes (checked on every call, a ``stat`` of a few microseconds,
-so a change applies to the next call in every process). An absent or empty
-file injects nothing; a file that is not valid is logged, naming the field,
+whenever it changes (a ``stat`` on every call, so a change applies to the next
+call in every process). An absent or empty file injects nothing; a file that is not valid is logged, naming the field,
 and the faults stay as they were. Replace the file (write another, rename it
 over) so no process reads it half written.
 

@@ -37,7 +37,7 @@ class _PurePythonEvents(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Pa
 
 _EventParser: Callable[[str], Any]
 try:
-    from yaml.cyaml import CParser as _EventParser  # libyaml: about 20x faster
+    from yaml.cyaml import CParser as _EventParser  # libyaml, where PyYAML was built with it
 except ImportError:  # pragma: no cover - depends on how PyYAML was built
     _EventParser = _PurePythonEvents
 

@@ -69,12 +69,8 @@ class FaultInjectionMetadata(KVConnectorMetadata):
 
 
 class _Forwarded:
-    """A method that calls the inner connector's method of the same name.
-
-    On first use per instance it binds the inner method, wrapped with the
-    operation's planned faults if it has any, and caches it on the instance;
-    later calls cost one attribute lookup.
-    """
+    """A method that calls the inner connector's method of the same name, preceded by the operation's
+    planned faults if it has any."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -82,9 +78,7 @@ class _Forwarded:
     def __get__(self, instance: FaultInjectionConnector | None, owner: type | None = None) -> Any:
         if instance is None:
             return self
-        call = instance.plan.wrap(self.name, getattr(instance.inner, self.name))
-        instance.__dict__[self.name] = call
-        return call
+        return instance.plan.wrap(self.name, getattr(instance.inner, self.name))
 
 
 @dataclass(frozen=True)

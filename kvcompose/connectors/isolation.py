@@ -10,8 +10,8 @@ returns (``take_events`` may return a generator) is isolated while it is
 iterated: the events yielded before the failure are kept.
 
 Where the failure is caught: the composite's own loops catch a failure and
-ask :meth:`ChildGuard.answer` for the answer, so no wrapper frame stands
-between them and the child. Only a result iterated after the call
+ask :meth:`ChildGuard.answer` for the answer, as vLLM's MultiConnector loops
+call its children directly. Only a result iterated after the call
 (``take_events``) is isolated by a wrapper (:meth:`ChildGuard.isolating`).
 The data-path calls (``Operation.data_path``: those that find, load and save
 KV, made per request, step or layer) are the ones the circuit breaker watches.
