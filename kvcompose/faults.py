@@ -12,9 +12,10 @@ The settings are the connector's ``kv_connector_extra_config``::
 Or, to change the faults of a running engine, ``faults_file: /etc/kvcompose/faults.yaml``
 instead of ``faults``: the file holds what ``faults`` would, and is read again
 whenever it changes (a ``stat`` on every call, so a change applies to the next
-call in every process). An absent or empty file injects nothing; a file that is not valid is logged, naming the field,
-and the faults stay as they were. Replace the file (write another, rename it
-over) so no process reads it half written.
+call in every process). An absent or empty file injects nothing; a file that
+is not valid is logged, naming the field, and the faults stay as they were.
+Replace the file (write another, rename it over) so no process reads it half
+written.
 
 Every decision is a hash of (seed, kind, subject, how many times this subject
 was drawn before), not a shared random stream, so the scheduler and every
