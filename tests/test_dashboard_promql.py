@@ -100,8 +100,9 @@ SERIES: list[tuple[str, str]] = [
     *histogram("kvcompose_transfer_lifetime_seconds", f'{HOT}, direction="save"', FAST),
     *histogram("kvcompose_transfer_lifetime_seconds", f'{COLD}, direction="load"', FAST_HALF),
     # Copy times: shorter than the lifetimes (hot's loads FAST, not SPREAD); hot reports its own (source
-    # "child"), cold's come from its calls. Throughput = bytes / copy seconds: hot 1024 / 0.25 = 4096 (load),
-    # 512 / 0.25 = 2048 (save); cold 2048 / 0.5 = 4096.
+    # "child"), cold's come from its calls. Throughput = bytes of the transfers with a copy time / copy seconds:
+    # hot 512 / 0.25 = 2048 (load, of 1024 bytes in all), 512 / 0.25 = 2048 (save); cold 1024 / 0.5 = 2048 (of
+    # 2048): all bytes over copy seconds would read 4096, 2048, 4096.
     *histogram("kvcompose_transfer_copy_seconds", f'{HOT}, direction="load", source="child"', FAST),
     *histogram("kvcompose_transfer_copy_seconds", f'{HOT}, direction="save", source="child"', FAST),
     *histogram("kvcompose_transfer_copy_seconds", f'{COLD}, direction="load", source="calls"', FAST_HALF),
@@ -115,6 +116,9 @@ SERIES: list[tuple[str, str]] = [
     (f'kvcompose_transfer_bytes_total{{{HOT}, direction="load"}}', counter(1024)),
     (f'kvcompose_transfer_bytes_total{{{HOT}, direction="save"}}', counter(512)),
     (f'kvcompose_transfer_bytes_total{{{COLD}, direction="load"}}', counter(2048)),
+    (f'kvcompose_transfer_copied_bytes_total{{{HOT}, direction="load", source="child"}}', counter(512)),
+    (f'kvcompose_transfer_copied_bytes_total{{{HOT}, direction="save", source="child"}}', counter(512)),
+    (f'kvcompose_transfer_copied_bytes_total{{{COLD}, direction="load", source="calls"}}', counter(1024)),
     (f'kvcompose_transfers_in_flight{{{HOT}, direction="load"}}', gauge(3)),
     (f'kvcompose_transfers_in_flight{{{HOT}, direction="save"}}', gauge(0)),
     (f'kvcompose_transfers_in_flight{{{COLD}, direction="load"}}', gauge(1)),
@@ -175,6 +179,7 @@ for decoy in DECOYS:
         (f"kvcompose_circuit_breaker_opens_total{{{decoy}}}", counter(1)),
         *histogram("kvcompose_transfer_lifetime_seconds", f'{decoy}, direction="load"', SLOW),
         (f'kvcompose_transfer_bytes_total{{{decoy}, direction="load"}}', counter(1)),
+        (f'kvcompose_transfer_copied_bytes_total{{{decoy}, direction="load", source="calls"}}', counter(1)),
         (f'kvcompose_transfers_in_flight{{{decoy}, direction="load"}}', gauge(5)),
         (f'kvcompose_transfers_failed_total{{{decoy}, direction="load", outcome="failed"}}', counter(1)),
         *((f"vllm:kv_offload_{name}_total{{{decoy}}}", counter(1)) for name in (
@@ -252,7 +257,7 @@ EXPECTED: dict[str, list[tuple[dict[str, str], float]]] = {
     "exporter_restarts": [({"model_name": "m", "engine": "0"}, 0.25)],
     "copy_p50": by_direction(0.125, 0.125, 0.125),
     "copy_p99": by_direction(0.2475, 0.2475, 0.2475),
-    "copy_throughput": by_direction(4096, 2048, 4096),
+    "copy_throughput": by_direction(2048, 2048, 2048),
     "lifetime_p50": by_direction(0.5, 0.125, 0.125),
     "lifetime_p99": by_direction(0.99, 0.2475, 0.2475),
     "engine_wait": by_direction(0.5, 0.25, 0.125),

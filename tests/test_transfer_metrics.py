@@ -241,6 +241,7 @@ def test_series_exist_at_zero_from_start_up(vllm_config_with: Callable) -> None:
             assert samples[("kvcompose_transfer_lifetime_seconds_count", lane)].value == 0
             assert samples[("kvcompose_transfer_bytes_total", lane)].value == 0
             assert samples[("kvcompose_transfer_copy_seconds_count", _lane(child, direction, source="calls"))].value == 0
+            assert samples[("kvcompose_transfer_copied_bytes_total", _lane(child, direction, source="calls"))].value == 0
             assert samples[("kvcompose_engine_wait_seconds_total", lane)].value == 0
             assert samples[("kvcompose_transfers_in_flight", lane)].value == 0
             for outcome in FAILURES:
@@ -294,6 +295,9 @@ def test_stats_reach_every_series_exactly(vllm_config_with: Callable) -> None:
     assert samples[("kvcompose_engine_wait_seconds_total", cold_save)].value == 0
     assert samples[("kvcompose_transfer_bytes_total", hot_load)].value == 2000
     assert samples[("kvcompose_transfer_bytes_total", cold_save)].value == (1 << 20) + 10
+    # Copied bytes: only the transfers with a copy time (the aborted load and the failed save have none).
+    assert samples[("kvcompose_transfer_copied_bytes_total", hot_load_copy)].value == 2000
+    assert samples[("kvcompose_transfer_copied_bytes_total", _lane("cold", "save", source="calls"))].value == 1 << 20
     assert samples[("kvcompose_transfers_in_flight", hot_load)].value == 0
     assert samples[("kvcompose_transfers_in_flight", cold_save)].value == 0  # +2 -1, then -1
     assert samples[("kvcompose_transfers_failed_total", _lane("hot", "load", outcome="aborted"))].value == 1

@@ -178,6 +178,27 @@ def test_an_async_load_ends_when_its_child_reports_it(vllm_config_with: Callable
     assert worker.request_state_sizes() == {}
 
 
+def test_copied_bytes_are_the_bytes_of_the_transfers_with_a_copy_time(vllm_config_with: Callable) -> None:
+    """An async load of a child that measures nothing has no copy time: its bytes count as moved, not as copied,
+    so bytes copied over copy seconds (the throughput) holds the same transfers on both sides."""
+    kv_cache, block_bytes = _kv_cache()
+    cold = {"matches": {"r1": [[32, True]]}, "finished_recving": [[], ["r1"]]}
+    scheduler, worker = _pair(vllm_config_with, {"hot": {}, "cold": cold}, kv_cache, tracing=False)
+    request = make_request("r1")
+    _admit(scheduler, request)
+    _step(scheduler, worker, new=[request])
+    table = worker.get_kv_connector_stats().transfers
+    _step(scheduler, worker)
+    table.add(worker.get_kv_connector_stats().transfers)
+
+    load_blocks = -(-32 // worker._vllm_config.cache_config.block_size)
+    assert table.transfers("cold", "load") == 1 and table.copy_seconds("cold", "load")[0] == 0
+    assert (table.bytes_moved("cold", "load"), table.bytes_copied("cold", "load")) == (load_blocks * block_bytes, 0)
+    for child in ("hot", "cold"):  # the sync saves: a copy time each, their bytes copied
+        assert table.copy_seconds(child, "save")[0] == 1
+        assert table.bytes_copied(child, "save") == table.bytes_moved(child, "save") == 3 * block_bytes
+
+
 @pytest.mark.parametrize("cold_fails_in", ["wait_for_save", "start_load_kv"])
 def test_with_tracing_off_a_steps_sync_loads_fail_only_when_they_did(vllm_config_with: Callable,
                                                                       cold_fails_in: str) -> None:

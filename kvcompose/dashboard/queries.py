@@ -162,11 +162,12 @@ EXPORTER_RESTARTS = Query(
 )
 
 # Each child's transfers (kvcompose/metrics/transfer_series.py), by direction (load, save): the three times
-# (kvcompose/instrumentation/transfers.py) and what moved.
+# (kvcompose/instrumentation/transfers.py) and what moved. Throughput is the bytes of the transfers with a copy time
+# over their copy seconds: a transfer without a copy time (see kvcompose_transfer_copy_seconds) is in neither.
 COPY_LATENCY = _quantiles("copy", "kvcompose_transfer_copy_seconds", "connector, direction", (0.5, 0.99))
 COPY_THROUGHPUT = Query(
     "copy_throughput", "{{connector}} {{direction}}",
-    lambda s: f"{_sum_rate('connector, direction', 'kvcompose_transfer_bytes_total', s)}"
+    lambda s: f"{_sum_rate('connector, direction', 'kvcompose_transfer_copied_bytes_total', s)}"
               f" / {_sum_rate('connector, direction', 'kvcompose_transfer_copy_seconds_sum', s)}",
 )
 LIFETIME = _quantiles(

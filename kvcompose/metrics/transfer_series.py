@@ -2,7 +2,8 @@
 
 Per engine, child (``connector``) and ``direction``: the lifetime histogram
 (its buckets' exemplars link to the traces), the copy-time histogram (labelled
-with where the child's copy times come from, ``source``), bytes moved,
+with where the child's copy times come from, ``source``), bytes moved and
+the bytes of the transfers with a copy time (the copy throughput's bytes),
 transfers in flight, failures by ``outcome`` and engine wait, every series
 created at 0 at start-up so that ``rate()`` sees the first transfer. The three
 times are defined in kvcompose.instrumentation.transfers.
@@ -37,6 +38,7 @@ class _Lane:
     add_lifetime: CellAdder
     add_copy: CellAdder
     moved_bytes: Any
+    copied_bytes: Any
     engine_wait: Any
     in_flight: Any
     failures: tuple[Any, ...]  # by outcome, in FAILURES' order
@@ -77,7 +79,15 @@ class TransferSeries:
             labelnames=names,
         )
         moved_bytes = metric_types[Counter](
-            "kvcompose_transfer_bytes_total", "Bytes of KV each child's transfers moved.", labelnames=names
+            "kvcompose_transfer_bytes_total",
+            "Bytes of KV in each child's ended transfers, whatever their outcome (failed and aborted ones too).",
+            labelnames=names,
+        )
+        copied_bytes = metric_types[Counter](
+            "kvcompose_transfer_copied_bytes_total",
+            "Bytes of KV in each child's transfers that have a copy time: over kvcompose_transfer_copy_seconds_sum, "
+            "the copy throughput.",
+            labelnames=[*names, "source"],
         )
         # Each API server adds up the changes it received; the engine's count is their sum,
         # dead processes' shares included (a transfer may start in one share and end in another).
@@ -104,7 +114,8 @@ class TransferSeries:
                     failures = tuple(failed.labels(*labels, outcome) for outcome in FAILURES)
                     lane = _Lane(series, cell_adder(series, self._bounds),
                                  cell_adder(copy.labels(*labels, source), self._bounds), moved_bytes.labels(*labels),
-                                 engine_wait.labels(*labels), in_flight.labels(*labels), failures)
+                                 copied_bytes.labels(*labels, source), engine_wait.labels(*labels),
+                                 in_flight.labels(*labels), failures)
                     lane.in_flight.set(0)
                     lanes.append(lane)
         some_lane = next(iter(self._lanes.values()))[0]
@@ -124,9 +135,12 @@ class TransferSeries:
         for cell, (count, seconds) in table.copy_cells.items():
             lane, bucket = divmod(cell, table.buckets)
             lanes[lane].add_copy(bucket, count, seconds, None)
-        for lane, moved, change, waited in zip(lanes, table.moved_bytes, table.in_flight, table.waited, strict=True):
+        for lane, moved, copied, change, waited in zip(lanes, table.moved_bytes, table.copied_bytes, table.in_flight,
+                                                       table.waited, strict=True):
             if moved:
                 lane.moved_bytes.inc(moved)
+            if copied:
+                lane.copied_bytes.inc(copied)
             if waited:
                 lane.engine_wait.inc(waited)
             if change:

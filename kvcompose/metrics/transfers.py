@@ -12,7 +12,8 @@ A table holds, per lane (one child and one direction):
 - lifetime cells, one per histogram bucket: transfers and summed seconds, so
   Prometheus gets exact bucket counts and an exact ``_sum``; and copy cells
   alike, for the transfers whose copy time is known;
-- the bytes moved;
+- the bytes moved, and the bytes of the transfers whose copy time is known
+  (so that bytes over copy seconds is a throughput);
 - the change in transfers in flight (started less ended): the front-end adds
   the changes up into its gauge;
 - the transfers that failed or were aborted;
@@ -57,7 +58,7 @@ class TransferTable:
     def __init__(
         self, children: Sequence[str], buckets: int, cells: Cells | None = None, copy_cells: Cells | None = None,
         moved_bytes: list[int] | None = None, in_flight: list[int] | None = None, failures: list[int] | None = None,
-        waited: list[float] | None = None, exemplars: Exemplars | None = None,
+        waited: list[float] | None = None, exemplars: Exemplars | None = None, copied_bytes: list[int] | None = None,
     ) -> None:
         self.children = tuple(children)
         self.buckets = buckets
@@ -65,6 +66,7 @@ class TransferTable:
         self.cells: Cells = cells if cells is not None else {}  # lifetime: lane * buckets + bucket -> [transfers, s]
         self.copy_cells: Cells = copy_cells if copy_cells is not None else {}  # copy time, the same cells
         self.moved_bytes = moved_bytes if moved_bytes is not None else [0] * lanes
+        self.copied_bytes = copied_bytes if copied_bytes is not None else [0] * lanes  # of those in copy_cells
         self.in_flight = in_flight if in_flight is not None else [0] * lanes  # started less ended
         self.failures = failures if failures is not None else [0] * (lanes * len(FAILURES))
         self.waited = waited if waited is not None else [0.0] * lanes  # engine wait, seconds
@@ -85,6 +87,7 @@ class TransferTable:
         add_cells(self.cells, other.cells)
         add_cells(self.copy_cells, other.copy_cells)
         self.moved_bytes = list(map(add, self.moved_bytes, other.moved_bytes))
+        self.copied_bytes = list(map(add, self.copied_bytes, other.copied_bytes))
         self.in_flight = list(map(add, self.in_flight, other.in_flight))
         self.failures = list(map(add, self.failures, other.failures))
         self.waited = list(map(add, self.waited, other.waited))
@@ -120,6 +123,10 @@ class TransferTable:
 
     def bytes_moved(self, child: str, direction: Direction) -> int:
         return self.moved_bytes[self._lane_index(child, direction)]
+
+    def bytes_copied(self, child: str, direction: Direction) -> int:
+        """Bytes of the transfers with a copy time (those :meth:`copy_seconds` counts)."""
+        return self.copied_bytes[self._lane_index(child, direction)]
 
     def in_flight_change(self, child: str, direction: Direction) -> int:
         return self.in_flight[self._lane_index(child, direction)]
@@ -160,7 +167,7 @@ class TransferTable:
             "children": list(self.children), "directions": list(DIRECTIONS), "failure_outcomes": list(FAILURES),
             "buckets": self.buckets, "cells": _cells_to_dict(self.cells), "copy": _cells_to_dict(self.copy_cells),
             "bytes": list(self.moved_bytes), "in_flight": list(self.in_flight), "failures": list(self.failures),
-            "waited": list(self.waited),
+            "waited": list(self.waited), "copied_bytes": list(self.copied_bytes),
             "exemplars": [[cell, *exemplar] for cell, exemplar in self.exemplars.items()],
         }
 
@@ -174,7 +181,7 @@ class TransferTable:
         exemplars = {cell: [at, trace_id, seconds] for cell, at, trace_id, seconds in data["exemplars"]}
         return cls(data["children"], data["buckets"], _cells_from_dict(data["cells"]),
                    _cells_from_dict(data["copy"]), list(data["bytes"]), list(data["in_flight"]),
-                   list(data["failures"]), list(data["waited"]), exemplars)
+                   list(data["failures"]), list(data["waited"]), exemplars, list(data["copied_bytes"]))
 
     def copy(self) -> TransferTable:
         """A table of its own with this one's transfers."""
@@ -231,7 +238,7 @@ class TransferRecorder:
         outcome: Outcome, trace_id: str | None,
     ) -> None:
         """A transfer of child ``child`` ended after ``lifetime_s``, having moved ``nbytes`` (whatever the outcome:
-        pass what moved) in ``copy_s`` (None: unknown). ``trace_id`` (32 hex digits), when it was traced, becomes
+        pass what moved) in ``copy_s`` (None: unknown; else its bytes also count as copied). ``trace_id`` (32 hex digits), when it was traced, becomes
         its lifetime bucket's exemplar."""
         if self.enabled:
             lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
@@ -258,6 +265,7 @@ class TransferRecorder:
                 cell = self._add(table.cells, lane, lifetime_s)
                 if copy_s is not None:
                     self._add(table.copy_cells, lane, copy_s)
+                    table.copied_bytes[lane] += nbytes
                 table.moved_bytes[lane] += nbytes
                 if failure >= 0:
                     table.failures[failure] += 1
