@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("hot_path", "request_cost", "request_rate", "transfer_cost", "stats_merge", "economics", "end_to_end")
+PARTS = ("hot_path", "request_cost", "request_rate", "transfer_cost", "watchdog", "stats_merge", "economics",
+         "end_to_end")
 
 
 def machine() -> dict[str, Any]:
@@ -43,6 +44,7 @@ def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
         stats_merge,
         targets,
         transfer_cost,
+        watchdog,
     )
 
     result: dict[str, Any] = {"machine": machine()}
@@ -65,6 +67,10 @@ def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
         result["transfer_cost"] = tracked = transfer_cost.measure()
         sections.append("### Tracking a transfer (2 children)\n\n" + transfer_cost.table(tracked))
         checks += targets.transfer_cost_checks(tracked)
+    if "watchdog" in parts:
+        result["watchdog"] = looks = watchdog.measure()
+        sections.append("### The watchdog (2 children)\n\n" + watchdog.table(looks))
+        checks += targets.watchdog_checks(looks)
     if "stats_merge" in parts:
         result["stats_merge"] = merged = stats_merge.measure()
         sections.append("### Stats\n\n" + stats_merge.table(merged))

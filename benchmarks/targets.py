@@ -29,6 +29,7 @@ TRACED_CORE_SHARE_MAX = TRACED_REQUEST_MAX_EXTRA_US[2] / 1e6
 TRANSFER_TRACKING_MAX_US = 1.0  # engine-thread CPU per transfer, tracing off
 # The scheduler's SHARDS sampler, per admitted request, as a share of vLLM's own hashing of its blocks.
 SAMPLER_MAX_PERCENT_OF_HASHING = 2.0
+WATCHDOG_MAX_PERCENT_OF_A_CORE = 0.1  # its looks, on its own thread; the calls into children pay nothing
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,12 @@ def economics_checks(result: dict[str, Any]) -> list[Check]:
                   f"{SAMPLER_MAX_PERCENT_OF_HASHING:.0f}% of vLLM's hashing of the same blocks",
                   f"{row['percent']:.2f}%", row["percent"] <= SAMPLER_MAX_PERCENT_OF_HASHING)
             for row in result["cost"]]
+
+
+def watchdog_checks(result: dict[str, Any]) -> list[Check]:
+    share = result["percent_of_a_core"]
+    return [Check(f"the watchdog's looks: <= {WATCHDOG_MAX_PERCENT_OF_A_CORE}% of a core (no cost per call)",
+                  f"{share:.3f}%", share <= WATCHDOG_MAX_PERCENT_OF_A_CORE)]
 
 
 def stats_checks(result: dict[str, Any]) -> list[Check]:

@@ -298,3 +298,15 @@ def test_compare_summary_takes_differences_within_each_round() -> None:
     assert step["abc"]["framework_us_per_token"] == pytest.approx(300 / 10 + 0.5 + 1.5 - 10.0)  # the middle round
     assert step["now"]["tokens_per_s_from_framework_cost"] > step["abc"]["tokens_per_s_from_framework_cost"]
     assert "kvc_step" in compare.table(result) and "-20.0" in compare.table(result)
+
+
+def test_watchdog_looks_are_timed_in_both_states_of_the_engine_thread() -> None:
+    from benchmarks import watchdog
+
+    result = watchdog.measure()
+    # Inside a call the look finds the composite's frame and stops there; between calls it walks the whole
+    # stack: both cost something, and the share of a core follows from the costlier one at the poll rate.
+    assert result["between_calls_us"] > 0 and result["in_a_child_call_us"] > 0
+    worst = max(result["between_calls_us"], result["in_a_child_call_us"])
+    assert result["percent_of_a_core"] == pytest.approx(worst / 1e6 / result["poll_s"] * 100)
+    assert "inside a call into a child" in watchdog.table(result)
