@@ -1,4 +1,5 @@
-"""The operator guides, walked as written: README.md's Quickstart and examples/observability/README.md.
+"""The operator guides, walked as written: README.md's Quickstart, its safe form of `kvcompose render`, and
+examples/observability/README.md.
 
 The commands are read from the guides' ```bash blocks (and the few the observability guide gives in its
 prose, :data:`PROSE`) when the tests run, so an edited guide is walked again. Each runs in bash as the guide
@@ -88,6 +89,13 @@ def bash_blocks(text: str) -> list[list[str]]:
             for block in FENCED_BASH.findall(text)]
 
 
+# README.md's bash blocks outside the Quickstart: each walked by a test here, or named with why it is not.
+README_BLOCKS = {
+    "## Install": "pip installs from a package index (tests/test_packaging.py builds and installs this checkout)",
+    "## Assembling `vllm serve` yourself": "walked: test_the_safe_render_form_starts_vllm_only_with_a_valid_pipeline",
+}
+
+
 def quickstart() -> list[list[str]]:
     return bash_blocks(section(README.read_text(), "## Quickstart"))
 
@@ -149,6 +157,41 @@ def test_every_guide_command_runs_here_or_is_named() -> None:
         assert not LEFT_OVER.search(line), f"{command!r} runs here as {line!r}: a placeholder is left"
         missing = [name for name in programs(line) if not shutil.which(name, path=guide_env(REPO)["PATH"])]
         assert not missing, f"{command!r} calls {missing}, not installed here"
+
+
+def test_every_readme_bash_block_is_walked_or_named() -> None:
+    """Every ```bash block of README.md is the Quickstart's or one of :data:`README_BLOCKS`."""
+    text = README.read_text()
+    accounted = quickstart() + [block for heading in README_BLOCKS for block in bash_blocks(section(text, heading))]
+    assert sorted(map(tuple, bash_blocks(text))) == sorted(map(tuple, accounted))
+
+
+@pytest.mark.parametrize("valid", [True, False], ids=["valid", "invalid"])
+def test_the_safe_render_form_starts_vllm_only_with_a_valid_pipeline(valid: bool, tmp_path: Path) -> None:
+    """README's safe form, run in bash as written, with a stand-in `vllm` that records its arguments: a valid
+    pipeline reaches vLLM as exactly what `kvcompose render` prints; an invalid one stops the script (exit 2)
+    before vLLM starts, where the inline form would start vLLM with an empty config."""
+    [block] = bash_blocks(section(README.read_text(), "## Assembling `vllm serve` yourself"))
+    shutil.copy(OBSERVABILITY.parent / "pipeline.yaml", tmp_path / "p.yaml")
+    if not valid:
+        (tmp_path / "p.yaml").write_text((tmp_path / "p.yaml").read_text().replace("version: 1", "version: 7"))
+    stand_in = tmp_path / "bin" / "vllm"
+    stand_in.parent.mkdir()
+    stand_in.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$(dirname "$0")/argv"\n')
+    stand_in.chmod(0o755)
+    env = {**os.environ, **guide_env(tmp_path)}
+    env["PATH"] = f"{stand_in.parent}{os.pathsep}{env['PATH']}"
+    result = subprocess.run(["bash", "-c", "\n".join(block)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=60)
+    argv = stand_in.parent / "argv"
+    if not valid:
+        assert result.returncode == 2 and "version" in result.stderr, result.stderr
+        assert not argv.exists()
+        return
+    assert result.returncode == 0, result.stderr
+    rendered = subprocess.run(["kvcompose", "render", "p.yaml"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    assert argv.read_text().splitlines() == ["serve", "MODEL", "--kv-transfer-config", rendered]
 
 
 def test_the_dashboard_command_writes_a_row_per_child(tmp_path: Path) -> None:
