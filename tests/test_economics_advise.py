@@ -2,7 +2,8 @@
 
 The expositions are written by prometheus_client (the library vLLM exports with), in the classic text
 format and in OpenMetrics, from one scenario: two engines, a GPU cache of 512 blocks, an ``offload`` tier
-of 1,024 blocks that pays and a ``disk`` tier of 8,192 blocks that does not.
+of 1,024 blocks that pays and a ``disk`` tier of 8,192 blocks that does not. Each loader's reach is the
+one the engine's sampler exports (kvcompose_tier_reach_blocks).
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ GPU_BLOCKS = 512
 # blocks, and 90% of that (0.72) exactly at 2,048 blocks.
 CURVE = {256: 0.1, 512: 0.3, 1024: 0.6, 2048: 0.72, 4096: 0.8, 8192: 0.8}
 TIERS: dict[str, dict[str, Any]] = {
-    "offload": {"position": 0, "class": "OffloadingConnector", "capacity": 1024, "hits": (30, 12),
+    "offload": {"position": 0, "class": "OffloadingConnector", "capacity": 1024, "reach": (512, 1536),
+                "hits": (30, 12),
                 "misses": (50, 8), "loaded": (60_000, 12_000), "saved_s": (30.0, 6.0),
                 "wait": {"load": (1.0, 0.5), "save": (0.5, 0.5)}, "bytes": {"load": (4e9, 2e9), "save": (8e9, 0)},
                 "forgone": (0, 0), "waste": (0.96, 0.94)},
-    "disk": {"position": 1, "class": "ExampleConnector", "capacity": 8192, "hits": (5, 5), "misses": (75, 15),
+    "disk": {"position": 1, "class": "ExampleConnector", "capacity": 8192, "reach": (1536, 8704), "hits": (5, 5),
+             "misses": (75, 15),
              "loaded": (4_000, 1_000), "saved_s": (0.7, 0.3), "wait": {"load": (0.9, 0.3), "save": (0.3, 0.2)},
              "bytes": {"load": (1e8, 0), "save": (8e9, 0)}, "forgone": (900, 100), "waste": (0.5, 0.5)},
 }
@@ -45,7 +48,17 @@ PROMPT_TOKENS = (150_000, 50_000)
 PREFILL_S_PER_TOKEN = 5e-4
 
 
-def registry(net_negative_disk: bool = True, start_time: bool = True, disk_loads: bool = True) -> CollectorRegistry:
+# A save-only child (children[].load: false) of 4,096 blocks, first in the pipeline: it loads nothing, so the
+# sampler exports no reach for it, and the loaders' reaches are as they are without it.
+SAVE_ONLY = {"position": 0, "class": "OffloadingConnector", "capacity": 4096, "hits": (0, 0), "misses": (0, 0),
+             "loaded": (0, 0), "saved_s": (0, 0), "wait": {"load": (0, 0), "save": (0.1, 0.1)},
+             "bytes": {"load": (0, 0), "save": (8e9, 0)}, "forgone": (0, 0), "waste": (0.5, 0.5)}
+
+
+def registry(net_negative_disk: bool = True, start_time: bool = True, disk_loads: bool = True,
+             cost: float | None = PREFILL_S_PER_TOKEN, save_only: bool = False) -> CollectorRegistry:
+    """The scenario; ``cost`` None: the engines' cost is not known (the gauge absent, the saved seconds
+    0); ``save_only``: a save-only child first in the pipeline."""
     reg = CollectorRegistry()
     engine = ["model_name", "engine"]
     lookups = Counter("kvcompose_lookups", "", [*engine, "connector", "result"], registry=reg)
@@ -59,6 +72,7 @@ def registry(net_negative_disk: bool = True, start_time: bool = True, disk_loads
     info = Gauge("kvcompose_pipeline_info", "", [*engine, "pipeline", "connector", "connector_class", "position"],
                  registry=reg)
     capacity = Gauge("kvcompose_tier_capacity_blocks", "", [*engine, "connector"], registry=reg)
+    reach = Gauge("kvcompose_tier_reach_blocks", "", [*engine, "connector", "edge"], registry=reg)
     waste = Gauge("kvcompose_write_waste_ratio", "", [*engine, "connector"], registry=reg)
     curve = Gauge("kvcompose_cache_size_hit_ratio", "", [*engine, "size_blocks"], registry=reg)
     block_bytes = Gauge("kvcompose_kv_block_bytes", "", engine, registry=reg)
@@ -68,27 +82,33 @@ def registry(net_negative_disk: bool = True, start_time: bool = True, disk_loads
         Gauge("process_start_time_seconds", "", registry=reg).set(START)
     for index, name in enumerate(ENGINES):
         labels = {"model_name": "m", "engine": name}
-        for tier, figures in TIERS.items():
+        tiers = {"backup": SAVE_ONLY, **TIERS} if save_only else TIERS
+        for tier, figures in tiers.items():
             at = {**labels, "connector": tier}
             lookups.labels(**at, result="hit").inc(figures["hits"][index])
             lookups.labels(**at, result="miss").inc(figures["misses"][index])
             quiet = tier == "disk" and not disk_loads
             loaded.labels(**at).inc(0 if quiet else figures["loaded"][index])
-            saved_s = 0 if quiet else figures["saved_s"][index] * (1 if net_negative_disk or tier != "disk" else 10)
+            saved_s = 0 if quiet or cost is None else figures["saved_s"][index] * (
+                1 if net_negative_disk or tier != "disk" else 10)
             saved.labels(**at).inc(saved_s)
             forgone.labels(**at).inc(figures["forgone"][index])
             for direction in ("load", "save"):
                 wait.labels(**at, direction=direction).inc(figures["wait"][direction][index])
                 moved.labels(**at, direction=direction).inc(figures["bytes"][direction][index])
+            position = figures["position"] + (1 if save_only and tier != "backup" else 0)
             info.labels(**labels, pipeline="p", connector=tier, connector_class=figures["class"],
-                        position=str(figures["position"])).set(1)
+                        position=str(position)).set(1)
             capacity.labels(**at).set(figures["capacity"])
+            for edge, blocks in zip(("start", "end"), figures.get("reach", ()), strict=False):
+                reach.labels(**at, edge=edge).set(blocks)
             waste.labels(**at).set(figures["waste"][index])
         capacity.labels(**labels, connector="gpu").set(GPU_BLOCKS)
         for size, ratio in CURVE.items():
             curve.labels(**labels, size_blocks=str(size)).set(ratio + (0.02 if index else -0.02))
         block_bytes.labels(**labels).set(BLOCK_BYTES)
-        prefill_cost.labels(**labels).set(PREFILL_S_PER_TOKEN)
+        if cost is not None:
+            prefill_cost.labels(**labels).set(cost)
         prompt_tokens.labels(**labels).inc(PROMPT_TOKENS[index])
     for seconds in COPY_TIMES:
         copy.labels(model_name="m", engine="0", connector="offload", direction="load", source="child").observe(seconds)
@@ -200,6 +220,48 @@ def test_a_tier_that_loaded_nothing_is_not_judged_net_negative(tmp_path: Path,
     disk = {tier["name"]: tier for tier in json.loads(out)["tiers"]}["disk"]
     assert status == 0 and disk["net_negative"] is False
     assert disk["engine_wait_s_per_s"]["load"] > 0 and disk["prefill_saved_s_per_s"] == 0
+
+
+def test_a_save_only_child_gets_no_band_and_leaves_the_loaders_bands_as_the_sampler_exported(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bands over every child in pipeline order would give the save-only child [512, 4608) and the offload
+    tier, no larger, nothing."""
+    path = write(tmp_path / "m.txt", registry(save_only=True))
+    status, out, _ = run(["advise", "--metrics", str(path), "--json"], capsys)
+    advice = json.loads(out)
+    tiers = {tier["name"]: tier for tier in advice["tiers"]}
+    assert [tier["name"] for tier in advice["tiers"]] == ["backup", "offload", "disk"]
+    assert tiers["backup"]["reach"] is None and tiers["backup"]["curve_share"] is None
+    assert not any(r["kind"] in ("grow", "shrink", "size_ok", "past_the_knee", "serves_nothing")
+                   for r in tiers["backup"]["recommendations"])
+    assert (tiers["offload"]["reach"], tiers["disk"]["reach"]) == (
+        {"start": 512, "end": 1536}, {"start": 1536, "end": 8704})
+    assert [r["kind"] for r in tiers["offload"]["recommendations"]] == ["grow", "write_waste"]
+    _, text, _ = run(["advise", "--metrics", str(path)], capsys)
+    assert "4,096 blocks (8.0 GiB), no reach exported (it does not load" in text
+
+
+@pytest.mark.parametrize("cost", [None, 0.0])
+def test_without_a_prefill_cost_no_tier_is_judged(cost: float | None, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The fit has no estimate yet (the gauge absent) or a zero slope: nothing was priced, so the saved
+    seconds read 0 while the loads' wait is real; the disk tier would read net negative."""
+    path = write(tmp_path / "m.txt", registry(cost=cost))
+    status, out, _ = run(["advise", "--metrics", str(path), "--json"], capsys)
+    advice = json.loads(out)
+    assert status == 0 and advice["net_negative"] == [] and advice["prefill_cost_known"] is False
+    for tier in advice["tiers"]:
+        assert tier["net_negative"] is False and tier["net_s_per_s"] is None
+        assert tier["prefill_saved_s_per_s"] is None
+        assert [r["kind"] for r in tier["recommendations"]][0] == "value_unknown"
+    _, text, _ = run(["advise", "--metrics", str(path)], capsys)
+    assert "prefill cost per token not known yet" in text
+    assert ("cannot judge whether it pays: the engine's prefill cost per token is not known "
+            f"(kvcompose_prefill_seconds_per_token {'absent' if cost is None else '0'}") in text
+    assert "5,000 tokens it loaded are not priced against the 1.2 s its loads held the engine" in text
+    assert "NET NEGATIVE" not in text
+    assert text.rstrip().endswith("no tier judged: the engine's prefill cost per token is not known, so no load "
+                                  "was priced")
 
 
 def test_all_tiers_paying_exits_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -53,7 +53,10 @@ def test_loads_are_priced_at_the_engines_prefill_cost_once_it_is_known() -> None
 def test_the_curve_capacities_and_waste_become_gauges_and_a_moved_grid_leaves_no_stale_size() -> None:
     series, read = _series()
     series.observe(EconomicsReport(curve=[[256, 0.1], [512, 0.4]], capacities={"offload": 100, "gpu": 300},
-                                   block_bytes=4096, write_waste={"offload": 0.25}), 0)
+                                   reaches={"offload": [300, 400]}, block_bytes=4096, write_waste={"offload": 0.25}),
+                   0)
+    assert read("kvcompose_tier_reach_blocks") == {(("connector", "offload"), ("edge", "end")): 400,
+                                                   (("connector", "offload"), ("edge", "start")): 300}
     assert read("kvcompose_cache_size_hit_ratio") == {(("size_blocks", "256"),): 0.1, (("size_blocks", "512"),): 0.4}
     assert read("kvcompose_tier_capacity_blocks") == {(("connector", "gpu"),): 300, (("connector", "offload"),): 100}
     assert read("kvcompose_kv_block_bytes") == {(): 4096} and read("kvcompose_write_waste_ratio") == {
@@ -69,8 +72,8 @@ def test_merged_reports_keep_the_latest_of_each_figure() -> None:
     worker = KVComposeStats(data={ECONOMICS_KEY: EconomicsReport(prefill_seconds_per_token=3e-5)})
     later = KVComposeStats(data={ECONOMICS_KEY: EconomicsReport(curve=[[256, 0.2]])})
     merged = scheduler.aggregate(worker).aggregate(later)
-    assert merged.economics.to_dict() == {"curve": [[256, 0.2]], "capacities": None, "block_bytes": 4096,
-                                          "write_waste": None, "prefill_seconds_per_token": 3e-5}
+    assert merged.economics.to_dict() == {"curve": [[256, 0.2]], "capacities": None, "reaches": None,
+                                          "block_bytes": 4096, "write_waste": None, "prefill_seconds_per_token": 3e-5}
     assert scheduler.data[ECONOMICS_KEY] is merged.economics  # taken over, then copied before being added to
     assert worker.economics.curve is None and later.economics.block_bytes is None  # inputs unmodified
     assert KVComposeStats.from_payload(merged.to_dict()).economics == merged.economics
@@ -136,3 +139,57 @@ def test_an_offloading_childs_capacity_is_its_host_bytes_in_engine_blocks(vllm_c
     offload, disk = child_specs(config, load_pipeline(pipeline))
     assert tier_capacity_blocks(offload, 4096) == 10  # whole blocks
     assert tier_capacity_blocks(disk, 4096) is None  # a disk tier's size is not in its config
+
+
+def _admitted(prompt: list[int]) -> Any:
+    """A real vLLM request of ``prompt``, its block hashes computed as the engine computes them (16-token blocks)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request("r", prompt, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(16, sha256))
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_the_gpu_cache_serves_prefix_hits_only_with_prefix_caching_on(prefix_caching: bool,
+                                                                     vllm_config_with: Callable) -> None:
+    """A GPU cache of 300 blocks, an offload tier of 100 behind it, and a save-only tier of 400 first in the
+    pipeline. A prompt repeated at once is a hit at a reuse distance under 4 blocks: with prefix caching on
+    the GPU cache serves it, and every block the tier was written is waste; with it off the GPU cache serves
+    no prefix hit, the tier serves distances [0, 100) and reads back every block it was written."""
+    import copy
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvcompose.config import load_pipeline
+    from kvcompose.connectors.children import child_specs
+    from kvcompose.instrumentation import stream_sampler
+
+    layer = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=300, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["layer.0"], layer)])
+    block_bytes = layer.page_size_bytes
+
+    def offload(name: str, blocks: int, load: bool) -> dict[str, Any]:
+        return {"name": name, "connector": "OffloadingConnector", "load": load,
+                "config": {"cpu_bytes_to_use": blocks * block_bytes}}
+
+    pipeline = {"version": 1, "name": "sized", "children": [offload("backup", 400, False), offload("offload", 100, True)]}
+    config = vllm_config_with({"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
+                               "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
+    config.cache_config = copy.copy(config.cache_config)
+    config.cache_config.enable_prefix_caching = prefix_caching
+    sampler = stream_sampler(child_specs(config, load_pipeline(pipeline)), (1,), config, kv_cache_config)
+    prompt = list(range(16 * 4))
+    sampler.admitted(_admitted(prompt))
+    sampler.admitted(_admitted(prompt))
+    report = sampler.report(now=True)
+
+    gpu = 300 if prefix_caching else 0
+    assert report.capacities == {"backup": 400, "offload": 100, "gpu": gpu}
+    assert report.reaches == {"offload": [gpu, gpu + 100]}  # loaders only
+    assert report.write_waste == {"offload": 1.0 if prefix_caching else 0.0}
+    assert (300 in dict(report.curve)) is prefix_caching  # the GPU cache's size is read only where it serves hits

@@ -229,6 +229,9 @@ def test_bad_arguments_are_refused(arguments: dict[str, object]) -> None:
 
 def test_tier_reaches_follow_the_load_order_and_sizes() -> None:
     assert tier_reaches(100, [400, 1000]) == [Reach(100, 500), Reach(500, 1100)]
-    assert tier_reaches(100, [1000, 400]) == [Reach(100, 1100), None]  # a smaller tier after a larger: nothing
+    # A smaller tier after a larger serves nothing (an empty reach); after one of unknown size, it is unknown.
+    assert tier_reaches(100, [1000, 400]) == [Reach(100, 1100), Reach(1100, 1100)]
+    assert Reach(1100, 1100).empty and not Reach(100, 1100).empty
     assert tier_reaches(100, [None, 400]) == [None, None]
+    assert tier_reaches(0, [400, 1000]) == [Reach(0, 400), Reach(400, 1000)]  # no GPU prefix hits: from 0
     assert size_grid([300, 5000]) == [256, 300, 512, 1024, 2048, 4096, 5000, 8192, 16384, 32768, 65536]

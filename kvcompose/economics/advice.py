@@ -1,13 +1,17 @@
 """Per-tier advice from observations: what each tier is worth now, and what another size would be worth.
 
 - Value: prefill seconds saved per second (the tokens a tier loaded times the
-  engine's measured prefill cost per token) net of the engine wait the tier
-  caused, loads and saves both: a tier whose saves hold the forward pass
-  costs that time even when nothing is loaded back. Net negative, advise
-  exits 1.
+  engine's fitted prefill cost per token) net of the engine wait its loads
+  caused. Its saves' wait is shown beside it, not netted: a save pays off in
+  a later load, possibly on another engine. Net negative, advise exits 1.
+  Where the prefill cost is not known (no kvcompose_prefill_seconds_per_token,
+  or 0: the fit has no estimate yet), nothing was priced and no tier is
+  judged.
 - Size: the curve says which share of prompt blocks an LRU cache of each size
-  would serve. A tier serves the reuse distances in its reach (``sizes.tier_reaches``:
-  past the GPU cache and earlier tiers). Where the curve reaches 90% of its
+  would serve. A loading tier serves the reuse distances in its reach, as the
+  engine's sampler exported it (kvcompose_tier_reach_blocks, from
+  ``sizes.tier_reaches``: past the GPU cache's prefix hits and earlier
+  loaders, loaders only). Where the curve reaches 90% of its
   ceiling is the knee; a tier whose reach ends before it should grow to it,
   one whose reach ends past twice the knee could shrink to it. The marginal
   hit ratio per extra GiB is the curve's slope from the reach's end to the
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 
 from kvcompose.economics.curve import Curve
 from kvcompose.economics.observations import DIRECTIONS, Observations, TierAmounts
-from kvcompose.economics.sizes import Reach, blocks_to_gib, tier_reaches
+from kvcompose.economics.sizes import Reach, blocks_to_gib
 from kvcompose.top import quantile
 
 KNEE = 0.9  # the share of the curve's ceiling that marks where it flattens
@@ -36,7 +40,9 @@ COPY_QUANTILE = 0.99
 
 @dataclass(frozen=True)
 class Recommendation:
-    kind: str  # net_negative | grow | shrink | size_ok | past_the_knee | serves_nothing | write_waste | load_policy
+    # net_negative | value_unknown | grow | shrink | size_ok | past_the_knee | serves_nothing | write_waste
+    # | load_policy
+    kind: str
     text: str
     figures: dict[str, float | None]
 
@@ -62,7 +68,7 @@ class TierAdvice:
     copy: dict[str, CopyFigures]
     capacity_blocks: float | None
     capacity_gib: float | None
-    reach: Reach | None
+    reach: Reach | None  # None: not exported (it does not load, or it or an earlier loader has no known size)
     curve_share: float | None  # of prompt blocks, by the curve: hit(reach end) - hit(reach start)
     marginal_hit_ratio_per_gib: float | None
     write_waste: float | None
@@ -87,22 +93,25 @@ class Advice:
     def net_negative(self) -> list[str]:
         return [tier.name for tier in self.tiers if tier.net_negative]
 
+    @property
+    def cost_known(self) -> bool:
+        """Whether loads were priced: the engine's prefill cost per token is known (a fit above zero)."""
+        return self.prefill_s_per_token is not None and self.prefill_s_per_token > 0
+
 
 def advise(observations: Observations) -> Advice:
     curve = Curve.from_points(observations.curve_points)
     knee = round(curve.size_reaching(KNEE)) if curve is not None and curve.ceiling > 0 else None
-    tiers = observations.ordered_tiers()
-    reaches = (tier_reaches(int(observations.gpu_blocks), [_blocks(tier) for tier in tiers])
-               if observations.gpu_blocks is not None else [None] * len(tiers))
     advice = Advice(observations.source, observations.span_s, observations.span_meaning, observations.gpu_blocks,
                     observations.block_bytes, observations.prefill_s_per_token,
                     _per_second(observations.prompt_tokens, observations.span_s), curve, knee, [])
-    advice.tiers = [_tier(advice, tier, reach) for tier, reach in zip(tiers, reaches, strict=True)]
+    advice.tiers = [_tier(advice, tier, _reach(tier)) for tier in observations.ordered_tiers()]
     return advice
 
 
-def _blocks(tier: TierAmounts) -> int | None:
-    return int(tier.capacity_blocks) if tier.capacity_blocks is not None else None
+def _reach(tier: TierAmounts) -> Reach | None:
+    edges = tier.reach_edges
+    return Reach(round(edges["start"]), round(edges["end"])) if {"start", "end"} <= edges.keys() else None
 
 
 def _per_second(amount: float | None, span_s: float | None) -> float | None:
@@ -119,9 +128,10 @@ def _tier(advice: Advice, tier: TierAmounts, reach: Reach | None) -> TierAdvice:
     # Net value: the prefill a tier's loads saved less the engine wait they caused. Its saves' wait is shown
     # beside it (and in the write-waste advice), not netted: a tier that saves for another engine's loads
     # pays for them here. A tier that loaded nothing is not judged (as the alert does not): every loader's
-    # start_load_kv runs each step, so it has a little load wait even when it has nothing to load.
+    # start_load_kv runs each step, so it has a little load wait even when it has nothing to load. Without a
+    # prefill cost nothing was priced: the saved seconds read 0 whatever the loads spared, and no tier is judged.
     load_wait = waits["load"]
-    saved = tier.prefill_saved_s
+    saved = tier.prefill_saved_s if advice.cost_known else None
     figures = TierAdvice(
         name=tier.name, connector_class=tier.connector_class,
         hit_ratio=tier.hits / tier.lookups if tier.lookups else None, lookups=tier.lookups,
@@ -138,9 +148,11 @@ def _tier(advice: Advice, tier: TierAmounts, reach: Reach | None) -> TierAdvice:
         tokens_forgone_per_s=_per_second(tier.forgone_tokens, span))
     if figures.net_negative:
         figures.recommendations.append(_net_negative(figures, saved or 0.0, waits))
+    elif not advice.cost_known and tier.loaded_tokens > 0:
+        figures.recommendations.append(_value_unknown(advice, tier, waits))
     curve, knee = advice.curve, advice.knee_blocks
-    if curve is not None and knee is not None and advice.gpu_blocks is not None and tier.capacity_blocks is not None:
-        figures.recommendations.append(_sizing(advice, figures, curve, knee))
+    if curve is not None and knee is not None and reach is not None:
+        figures.recommendations.append(_sizing(advice, figures, reach, curve, knee))
     if tier.write_waste is not None and tier.write_waste >= HIGH_WRITE_WASTE:
         figures.recommendations.append(Recommendation(
             "write_waste", f"{tier.write_waste:.0%} of the blocks written to it are not read from it before "
@@ -168,13 +180,25 @@ def _net_negative(tier: TierAdvice, saved: float, waits: dict[str, float]) -> Re
          "net_s_per_s": tier.net_s_per_s})
 
 
-def _sizing(advice: Advice, tier: TierAdvice, curve: Curve, knee: int) -> Recommendation:
-    if tier.reach is None:
+def _value_unknown(advice: Advice, amounts: TierAmounts, waits: dict[str, float]) -> Recommendation:
+    cost = "0" if advice.prefill_s_per_token == 0 else "absent"
+    return Recommendation(
+        "value_unknown",
+        f"cannot judge whether it pays: the engine's prefill cost per token is not known "
+        f"(kvcompose_prefill_seconds_per_token {cost}: the fit needs steps of varied prefill sizes), so the "
+        f"{amounts.loaded_tokens:,.0f} tokens it loaded are not priced against the {waits['load']:.3g} s its "
+        "loads held the engine",
+        {"tokens_loaded": amounts.loaded_tokens, "engine_wait_load_s": waits["load"],
+         "prefill_s_per_token": advice.prefill_s_per_token})
+
+
+def _sizing(advice: Advice, tier: TierAdvice, reach: Reach, curve: Curve, knee: int) -> Recommendation:
+    if reach.empty:
         return Recommendation(
-            "serves_nothing", "by the curve it serves no reuse distance: an earlier tier is at least as large "
-            "(every tier holds the last blocks written, and the first to have a block loads it), or an earlier "
-            "tier's size is unknown", {"capacity_blocks": tier.capacity_blocks})
-    start, end = tier.reach.start, tier.reach.end
+            "serves_nothing", "by the curve it serves no reuse distance: an earlier loader is at least as large "
+            "(every tier holds the last blocks written, and the first to have a block loads it)",
+            {"capacity_blocks": tier.capacity_blocks})
+    start, end = reach.start, reach.end
     upper = curve.next_size_above(end)
     if upper is not None and advice.block_bytes:
         tier.marginal_hit_ratio_per_gib = (curve.at(upper) - curve.at(end)) / blocks_to_gib(
@@ -210,8 +234,7 @@ def _sizing(advice: Advice, tier: TierAdvice, curve: Curve, knee: int) -> Recomm
 
 
 def _load_policy(advice: Advice, tier: TierAdvice, amounts: TierAmounts) -> Recommendation:
-    value = (amounts.forgone_tokens * advice.prefill_s_per_token if advice.prefill_s_per_token is not None
-             else None)
+    value = amounts.forgone_tokens * advice.prefill_s_per_token if advice.cost_known else None
     per_second = f" ({tier.tokens_forgone_per_s:.3g} tokens/s)" if tier.tokens_forgone_per_s is not None else ""
     worth = f", worth {value:.3g} s of prefill" if value is not None else ""
     return Recommendation(
@@ -224,7 +247,7 @@ def _load_policy(advice: Advice, tier: TierAdvice, amounts: TierAmounts) -> Reco
 
 def _prefill_value(advice: Advice, hit_ratio: float) -> float | None:
     """Prefill seconds per second that ``hit_ratio`` more of the prompt blocks would save."""
-    if advice.prompt_tokens_per_s is None or advice.prefill_s_per_token is None:
+    if advice.prompt_tokens_per_s is None or not advice.cost_known:
         return None
     return hit_ratio * advice.prompt_tokens_per_s * advice.prefill_s_per_token
 

@@ -10,7 +10,7 @@ that states the figures behind it (kvcompose.economics.advice).
 
 Exit status: 0; 1 when a tier is net negative (it saved less prefill time
 than the engine waited on it), so the command can gate a rollout, and for
-nothing else; 2 when the input cannot be advised on (a bad option, a file
+nothing else (without a known prefill cost per token no tier is judged); 2 when the input cannot be advised on (a bad option, a file
 that is not a kvcompose /metrics, a Prometheus that does not answer), one
 line per problem. Nothing here imports vLLM or numpy.
 """
@@ -116,7 +116,8 @@ def as_json(advice: Advice) -> dict[str, Any]:
     return _finite({
         "source": advice.source, "span_s": advice.span_s, "span": advice.span_meaning,
         "gpu_blocks": advice.gpu_blocks, "block_bytes": advice.block_bytes,
-        "prefill_s_per_token": advice.prefill_s_per_token, "prompt_tokens_per_s": advice.prompt_tokens_per_s,
+        "prefill_s_per_token": advice.prefill_s_per_token, "prefill_cost_known": advice.cost_known,
+        "prompt_tokens_per_s": advice.prompt_tokens_per_s,
         "curve": None if curve is None else {"size_blocks": list(curve.sizes), "hit_ratio": list(curve.ratios),
                                              "ceiling": curve.ceiling, "knee_blocks": advice.knee_blocks},
         "tiers": [asdict(tier) for tier in advice.tiers],
@@ -147,15 +148,21 @@ def as_text(advice: Advice) -> str:
                      f"90% of it at {advice.knee_blocks:,.0f} blocks{gib_text(advice, advice.knee_blocks)}")
     for tier in advice.tiers:
         lines += ["", *_tier_lines(advice, tier)]
-    lines += ["", f"net negative: {', '.join(advice.net_negative)}" if advice.net_negative
-              else "no tier is net negative"]
+    if advice.net_negative:
+        lines += ["", f"net negative: {', '.join(advice.net_negative)}"]
+    elif not advice.cost_known:
+        lines += ["", "no tier judged: the engine's prefill cost per token is not known, so no load was priced"]
+    else:
+        lines += ["", "no tier is net negative"]
     return "\n".join(lines) + "\n"
 
 
 def _caches_line(advice: Advice) -> str:
-    parts = [f"GPU cache {_number(advice.gpu_blocks)} blocks{gib_text(advice, advice.gpu_blocks)}",
-             f"KV block {_number(advice.block_bytes)} bytes",
-             f"prefill {_number(advice.prefill_s_per_token, '.3g')} s per token",
+    gpu = ("GPU cache serves no prefix hits (prefix caching off)" if advice.gpu_blocks == 0
+           else f"GPU cache {_number(advice.gpu_blocks)} blocks{gib_text(advice, advice.gpu_blocks)}")
+    cost = (f"prefill {advice.prefill_s_per_token:.3g} s per token" if advice.cost_known
+            else "prefill cost per token not known yet")
+    parts = [gpu, f"KV block {_number(advice.block_bytes)} bytes", cost,
              f"{_number(advice.prompt_tokens_per_s)} prompt tokens/s"]
     return "; ".join(parts)
 
@@ -172,7 +179,14 @@ def _tier_lines(advice: Advice, tier: TierAdvice) -> list[str]:
         lines.append(f"  {direction:<15} copy p99 {_number(copy.p99_s, '.3g')} s; moved "
                      f"{_number(copy.moved_bytes_per_s, ',.0f')} B/s; copies run at "
                      f"{_number(copy.copy_bytes_per_s, ',.0f')} B/s")
-    reach = f", serves reuse distances [{tier.reach.start:,}, {tier.reach.end:,})" if tier.reach else ""
+    if tier.reach is None:
+        reach = ", no reach exported (it does not load, or it or an earlier loader has no known size)"
+    elif tier.reach.empty:
+        reach = ", serves no reuse distance (an earlier loader is at least as large)"
+    else:
+        reach = f", serves reuse distances [{tier.reach.start:,}, {tier.reach.end:,})"
+        if advice.gpu_blocks is not None and tier.reach.start > advice.gpu_blocks:  # behind an earlier loader
+            reach += " at most (under first_match see tokens forgone)"
     share = f": {tier.curve_share:.3f} of prompt blocks by the curve" if tier.curve_share is not None else ""
     lines += [(f"  capacity        {_number(tier.capacity_blocks)} blocks{gib_text(advice, tier.capacity_blocks)}"
                f"{reach}{share}"),

@@ -2,8 +2,8 @@
 
 Counters are amounts over the span (Prometheus' ``increase`` over the window,
 or a saved /metrics' totals since the server started), summed over engines;
-gauges (the curve, capacities, block size, prefill cost, write waste) are
-averaged over engines and, from Prometheus, over the window.
+gauges (the curve, capacities, reaches, block size, prefill cost, write
+waste) are averaged over engines and, from Prometheus, over the window.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class TierAmounts:
     prefill_saved_s: float | None = None  # None: the series is absent (an earlier kvcompose)
     forgone_tokens: float = 0.0
     capacity_blocks: float | None = None
+    reach_edges: dict[str, float] = field(default_factory=dict)  # start, end: the reuse distances it serves
     write_waste: float | None = None
     directions: dict[str, DirectionAmounts] = field(default_factory=lambda: {d: DirectionAmounts() for d in DIRECTIONS})
 
@@ -79,6 +80,7 @@ class ObservationsBuilder:
     def __init__(self, source: str, span_s: float | None, span_meaning: str):
         self._observations = Observations(source, span_s, span_meaning)
         self._capacities: dict[str, list[float]] = defaultdict(list)
+        self._reach_edges: dict[tuple[str, str], list[float]] = defaultdict(list)
         self._waste: dict[str, list[float]] = defaultdict(list)
         self._curve: dict[int, list[float]] = defaultdict(list)
         self._block_bytes: list[float] = []
@@ -99,6 +101,8 @@ class ObservationsBuilder:
             observations.prompt_tokens = (observations.prompt_tokens or 0.0) + value
         elif name == "kvcompose_tier_capacity_blocks" and connector is not None:
             self._capacities[connector].append(value)
+        elif name == "kvcompose_tier_reach_blocks" and connector is not None and "edge" in labels:
+            self._reach_edges[(connector, labels["edge"])].append(value)
         elif connector is not None:
             self._add_to_tier(observations.tier(connector), name, labels, value)
 
@@ -140,6 +144,8 @@ class ObservationsBuilder:
         observations.gpu_blocks = mean(gpu)
         for name, values in self._capacities.items():
             observations.tier(name).capacity_blocks = mean(values)
+        for (name, edge), values in self._reach_edges.items():
+            observations.tier(name).reach_edges[edge] = sum(values) / len(values)
         for name, values in self._waste.items():
             observations.tier(name).write_waste = mean(values)
         observations.curve_points = {size: sum(values) / len(values) for size, values in self._curve.items()}

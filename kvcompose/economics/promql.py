@@ -2,7 +2,7 @@
 
 Counters are read as ``increase`` over the window (summed over engines),
 gauges as their average over it (over engines too), the tiers' capacities
-as their last value. Per second means over the part of the window the data
+and reaches as their last value. Per second means over the part of the window the data
 covers (from its first kvcompose sample), so a server younger than the
 window is not diluted by the hours before it started.
 """
@@ -42,6 +42,7 @@ _GAUGES = {
     "kvcompose_prefill_seconds_per_token": ("avg", "avg_over_time", ""),
     "kvcompose_kv_block_bytes": ("avg", "last_over_time", ""),
     "kvcompose_tier_capacity_blocks": ("avg", "last_over_time", "connector"),
+    "kvcompose_tier_reach_blocks": ("avg", "last_over_time", "connector, edge"),
     "kvcompose_pipeline_info": ("max", "last_over_time", "connector, position, connector_class"),
 }
 

@@ -6,7 +6,8 @@ under ``S`` (kvcompose.economics.shards). A tier of ``T`` blocks below a GPU
 cache of ``G`` blocks holds what the engine computed most recently, so the
 GPU cache and the tier act as one LRU cache of ``G + T`` blocks: the tier
 serves the distances in ``[G, G + T)`` and adds ``hit(G + T) - hit(G)`` to
-the hit ratio. That band is the tier's reach.
+the hit ratio. That band is the tier's reach. With prefix caching off the GPU
+cache serves no prefix hits: ``G`` is 0 and the tier serves ``[0, T)``.
 """
 
 from __future__ import annotations
@@ -23,25 +24,33 @@ GRID_HEADROOM = 8
 
 @dataclass(frozen=True)
 class Reach:
-    """The reuse distances, in blocks, whose references a tier serves: ``start <= distance < end``."""
+    """The reuse distances, in blocks, whose references a tier serves: ``start <= distance < end``; none when
+    ``start == end`` (an earlier tier at least as large serves them all)."""
 
     start: int
     end: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.start < self.end:
-            raise ValueError(f"a reach needs 0 <= start < end, got [{self.start}, {self.end})")
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"a reach needs 0 <= start <= end, got [{self.start}, {self.end})")
+
+    @property
+    def empty(self) -> bool:
+        return self.start == self.end
 
 
 def tier_reaches(gpu_blocks: int, tier_blocks: Sequence[int | None]) -> list[Reach | None]:
-    """Each tier's reach below a GPU cache of ``gpu_blocks``, tiers in the order they are asked to load.
+    """Each loading tier's reach below a GPU cache serving prefix hits from ``gpu_blocks`` (0 with prefix
+    caching off), tiers in the order they are asked to load; None where it is unknown.
 
     kvcompose's children all receive every save (vLLM's MultiConnector semantics), so each holds the last
-    blocks written, as many as fit: the first tier to have a block is the smallest one large enough. Under
-    the ``first_match`` load policy a tier serves the distances past every earlier tier and within itself;
-    a tier no larger than an earlier one serves none (None), and so does every tier after one of unknown
-    size (None in ``tier_blocks``). Under ``longest_match`` the largest tier has the longest match: list
-    it alone."""
+    blocks written, as many as fit: the first tier to have a block is the smallest one large enough. A tier
+    serves the distances past every earlier tier and within itself; a tier no larger than an earlier one
+    serves none (an empty reach), and every tier after one of unknown size (None in ``tier_blocks``) has an
+    unknown reach. The bands are per block, whatever the load policy: under ``longest_match`` the tier
+    holding a request's longest prefix loads it all, under ``first_match`` the first tier holding any of it
+    loads its part, and the request recomputes the blocks a later tier held beyond that (counted as tokens
+    forgone), so there a later tier's band is what it would serve at most."""
     reaches: list[Reach | None] = []
     covered: int | None = gpu_blocks
     for blocks in tier_blocks:
@@ -50,7 +59,7 @@ def tier_reaches(gpu_blocks: int, tier_blocks: Sequence[int | None]) -> list[Rea
             covered = None
             continue
         end = gpu_blocks + blocks
-        reaches.append(Reach(covered, end) if end > covered else None)
+        reaches.append(Reach(covered, max(covered, end)))
         covered = max(covered, end)
     return reaches
 

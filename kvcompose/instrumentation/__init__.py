@@ -57,9 +57,10 @@ def stream_sampler(
     specs: list[ChildSpec], loaders: tuple[int, ...], vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
 ) -> StreamSampler | None:
     """The scheduler's sampler of the prefix-block stream; None where the GPU cache's size is unknown (a composite
-    made outside an engine)."""
+    made outside an engine). With prefix caching off the GPU cache serves no prefix hits: 0 blocks of it count."""
     gpu_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else vllm_config.cache_config.num_gpu_blocks
     if not gpu_blocks:
         return None
     block_bytes = bytes_per_block(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size)
-    return StreamSampler(specs, loaders, gpu_blocks, block_bytes)
+    prefix_cache_blocks = gpu_blocks if vllm_config.cache_config.enable_prefix_caching else 0
+    return StreamSampler(specs, loaders, prefix_cache_blocks, block_bytes)

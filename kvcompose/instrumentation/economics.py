@@ -9,8 +9,10 @@ its last second at most), the scheduler reports the estimated hit ratio of
 an LRU cache at each size of a grid (powers of two, the GPU cache's size and
 each tier's), and each tier's write waste; its first report adds the
 capacities (the GPU cache's blocks, and a tier's where its config says:
-vLLM's OffloadingConnector and kvcompose's CPU spec) and the bytes of a
-block.
+vLLM's OffloadingConnector and kvcompose's CPU spec), each loading tier's
+reach (kvcompose.economics.sizes) and the bytes of a block. With vLLM's
+prefix caching off the GPU cache serves no prefix hits: its capacity is
+reported as 0 blocks, and the tiers' reaches start at 0.
 
 Worker side (:class:`PrefillCost`): the engine's marginal cost of prefilling
 a token, fitted to the steps the worker observes (those whose engine wait it
@@ -75,17 +77,21 @@ def tier_capacity_blocks(spec: ChildSpec, block_bytes: int) -> int | None:
 class StreamSampler:
     """The scheduler's sampler of the prefix-block stream, and what it reports; see the module docstring."""
 
-    def __init__(self, specs: list[ChildSpec], loaders: tuple[int, ...], gpu_blocks: int, block_bytes: int) -> None:
+    def __init__(self, specs: list[ChildSpec], loaders: tuple[int, ...], prefix_cache_blocks: int,
+                 block_bytes: int) -> None:
+        """``loaders``: the indices of the children that load, in the order they are asked;
+        ``prefix_cache_blocks``: the GPU cache's blocks, or 0 when it serves no prefix hits (prefix caching off)."""
         self._capacities = {spec.name: blocks for spec in specs
                             if (blocks := tier_capacity_blocks(spec, block_bytes)) is not None}
-        reaches = tier_reaches(gpu_blocks, [self._capacities.get(specs[index].name) for index in loaders])
+        reaches = tier_reaches(prefix_cache_blocks, [self._capacities.get(specs[index].name) for index in loaders])
         self._reaches = {specs[index].name: reach for index, reach in zip(loaders, reaches, strict=True)
                          if reach is not None}
-        self._grid = size_grid([gpu_blocks, *self._capacities.values(),
+        self._grid = size_grid([prefix_cache_blocks, *self._capacities.values(),
                                 *(reach.end for reach in self._reaches.values())])
         self._sampler = ReuseDistanceSampler(self._grid[-1], reaches=list(self._reaches.values()))
         self._static: dict[str, Any] | None = {
-            "capacities": {**self._capacities, GPU: gpu_blocks}, "block_bytes": block_bytes}
+            "capacities": {**self._capacities, GPU: prefix_cache_blocks}, "block_bytes": block_bytes,
+            "reaches": {name: [reach.start, reach.end] for name, reach in self._reaches.items()}}
         self._reported_at = -math.inf
         self._reported_references = 0
 

@@ -2,8 +2,9 @@
 
 The scheduler knows the engine's prefix-block stream (its hit-ratio curve by
 cache size, from kvcompose.economics.shards), the GPU cache and each tier's
-capacity, and the bytes of a block; a worker measures what prefilling a token
-costs the engine. Each reports what changed, at most every few seconds, as an
+capacity (the GPU cache's is 0 with prefix caching off: it serves no prefix
+hits), the reuse distances each loading tier serves, and the bytes of a
+block; a worker measures what prefilling a token costs the engine. Each reports what changed, at most every few seconds, as an
 :class:`EconomicsReport` in its stats; merged reports keep the latest of each
 figure (they are levels, not counts).
 
@@ -30,7 +31,8 @@ class EconomicsReport:
     """What changed in a process's view of the tiers' economics since its last report (None: unchanged)."""
 
     curve: list[list[float]] | None = None  # [size in blocks, estimated LRU hit ratio], by size
-    capacities: dict[str, int] | None = None  # tier (or "gpu") -> blocks it holds
+    capacities: dict[str, int] | None = None  # tier (or "gpu": 0 with prefix caching off) -> blocks it holds
+    reaches: dict[str, list[int]] | None = None  # loading tier -> [start, end) of the reuse distances it serves
     block_bytes: int | None = None  # bytes of one KV block, over every layer and worker
     write_waste: dict[str, float] | None = None  # tier -> estimated share of its saved blocks never read from it
     prefill_seconds_per_token: float | None = None  # the engine's measured prefill cost
@@ -76,8 +78,14 @@ class EconomicsSeries:
             "engine's recent traffic (SHARDS, decaying with a one-hour half-life).",
             labelnames=[*labelnames, "size_blocks"], multiprocess_mode="mostrecent")
         self.capacity = metric_types[Gauge](
-            "kvcompose_tier_capacity_blocks", "Blocks each tier holds (connector=\"gpu\": the GPU cache), where known.",
+            "kvcompose_tier_capacity_blocks", "Blocks each tier holds, where known; connector=\"gpu\": the blocks "
+            "the GPU cache serves prefix hits from (0 with prefix caching off).",
             labelnames=[*labelnames, "connector"], multiprocess_mode="mostrecent")
+        self.reach = metric_types[Gauge](
+            "kvcompose_tier_reach_blocks",
+            "The reuse distances each loading tier serves by the hit-ratio curve, from edge=\"start\" to "
+            "edge=\"end\" (blocks): past the GPU cache and earlier loaders, within itself; start = end: none.",
+            labelnames=[*labelnames, "connector", "edge"], multiprocess_mode="mostrecent")
         self.block_bytes = metric_types[Gauge](
             "kvcompose_kv_block_bytes", "Bytes of one KV cache block, over every layer and worker.",
             labelnames=labelnames, multiprocess_mode="mostrecent")
@@ -114,6 +122,9 @@ class EconomicsSeries:
             self._sizes[engine_idx] = sizes
         for child, blocks in (report.capacities or {}).items():
             self.capacity.labels(*labels, child).set(blocks)
+        for child, (start, end) in (report.reaches or {}).items():
+            self.reach.labels(*labels, child, "start").set(start)
+            self.reach.labels(*labels, child, "end").set(end)
         if report.block_bytes is not None:
             self.block_bytes.labels(*labels).set(report.block_bytes)
         for child, share in (report.write_waste or {}).items():
