@@ -289,9 +289,10 @@ class TransferTracker:
                     self._awaiting_copy.append((transfer, end))  # NIXL's telemetry comes with its stats, next
                 else:
                     self._end(transfer, end, outcome, None)
-        for req_id in finished_req_ids:  # finished by vLLM (aborted) while its load runs
-            if (transfer := self._open.get((child, req_id, "load"))) is not None:
-                transfer.aborted = True
+        if finished_req_ids:  # finished by vLLM (aborted) while its loads run: they end when the child reports them
+            for (owner, _, direction), transfer in self._open.items():
+                if owner == child and direction == "load" and transfer.req_id in finished_req_ids:
+                    transfer.aborted = True
 
     def child_stats(self, child: int, stats: Any) -> None:
         """A child's own stats of the step: NIXL's transfer telemetry gives the copy time of the loads it
@@ -322,12 +323,13 @@ class TransferTracker:
         for direction, transfers in done.items():
             measured = getattr(getattr(stats, "load" if direction == "load" else "store", None), "time", None)
             for transfer in transfers:
-                self._end(transfer, end, "ok", _share(measured, transfer, transfers))
+                self._end(transfer, end, "aborted" if transfer.aborted else "ok", _share(measured, transfer, transfers))
 
     def loads_given_back(self, req_ids: set[str]) -> None:
-        """kvcompose reported these async loads failed (their child failed)."""
+        """kvcompose reported these requests' async loads failed (their child failed): each of their open loads,
+        a job's too (keyed by its job id), has ended. A job the child completes later is then no longer open."""
         end = time_ns()
-        for key in [key for key in self._open if key[1] in req_ids and key[2] == "load"]:
+        for key in [key for key, transfer in self._open.items() if key[2] == "load" and transfer.req_id in req_ids]:
             self._end(self._open.pop(key), end, "failed", None)
 
     def take_summaries(self) -> dict[str, dict[tuple[str, Direction], list[float]]]:
