@@ -234,13 +234,17 @@ def _tier_net_negative(p: Mapping[str, Value]) -> Rule:
         'sum without (direction) (rate(kvcompose_engine_wait_seconds_total{direction="load"}[30m]))\n'
         "  - rate(kvcompose_prefill_seconds_saved_total[30m])\n"
         f"> {number(p['net_loss_seconds_per_second'])}\n"
-        f"and rate(kvcompose_loaded_tokens_total[30m]) > {number(p['min_loaded_tokens_per_second'])}",
+        f"and rate(kvcompose_loaded_tokens_total[30m]) > {number(p['min_loaded_tokens_per_second'])}\n"
+        # The saved seconds grow only once the engine's prefill cost per token is known (a fit above 0): a tier
+        # that loads and saved nothing was not priced, and cannot be judged.
+        "and rate(kvcompose_prefill_seconds_saved_total[30m]) > 0",
         "kvcompose tier {{ $labels.connector }} costs the engine more than it saves",
         f"The loads of child {{{{ $labels.connector }}}} {_WHERE} kept the forward pass waiting "
         f"{_RATE} s/s longer than the prefill they spared it (engine wait of its loads less "
         f"kvcompose_prefill_seconds_saved_total, over the last 30m; threshold "
         f"{number(p['net_loss_seconds_per_second'])} s/s, for {p['for']}, counted once it loads over "
-        f"{number(p['min_loaded_tokens_per_second'])} tokens/s). Recomputing those prompts would be faster.",
+        f"{number(p['min_loaded_tokens_per_second'])} tokens/s and the engine's prefill cost per token is "
+        "known). Recomputing those prompts would be faster.",
     )
 
 
