@@ -144,8 +144,9 @@ TIER_ECONOMICS: tuple[PanelSpec, ...] = (
         "Estimated share of prefix-block references an LRU cache of each size would serve on the engine's recent "
         "traffic (kvcompose_cache_size_hit_ratio, SHARDS sampling, one-hour half-life). Marked: the GPU cache's "
         "size G and, for each tier of T blocks, G + T: under vLLM's chained prefix hashes the GPU cache and a tier "
-        "below it act as one LRU cache, so the tier adds about hit(G + T) - hit(G). A tier of unknown size, or "
-        "one that serves no loads, has no mark. A tier several engines share sees all their traffic: read the "
+        "below it act as one LRU cache, so the tier adds about hit(G + T) - hit(G). With prefix caching off the "
+        "GPU cache serves no prefix hits: G is 0 (its capacity reads 0), it has no mark and a tier's mark is T. "
+        "A tier of unknown size has no mark. A tier several engines share sees all their traffic: read the "
         "curves of every engine together. Sizes in GiB: panel Tier capacity.",
         "percentunit", (q.HIT_RATIO_BY_SIZE, q.CAPACITY_MARKS), kind="xychart", width=16, height=10,
         x_field="size_blocks", x_label="cache size (blocks)",
@@ -153,20 +154,23 @@ TIER_ECONOMICS: tuple[PanelSpec, ...] = (
     PanelSpec(
         "Tier capacity",
         "Each tier's capacity where kvcompose knows it (OffloadingConnector's cpu_bytes_to_use) and the GPU "
-        "cache's (gpu), in bytes: kvcompose_tier_capacity_blocks times kvcompose_kv_block_bytes.",
+        "cache's (gpu; 0 with prefix caching off, as it then serves no prefix hits), in bytes: "
+        "kvcompose_tier_capacity_blocks times kvcompose_kv_block_bytes.",
         "bytes", (q.TIER_CAPACITY_BYTES,), kind="stat", width=8, height=10, no_value="no size known",
     ),
     PanelSpec(
         "Prefill saved and net value",
-        "saved: prefill seconds per second the child's loads spared the engine (tokens loaded times the measured "
-        "prefill cost per token). net: saved less the engine wait of its loads; below 0 the tier costs more "
-        "than recomputing (alert KVComposeTierNetNegative).",
+        "saved: prefill seconds per second the child's loads spared the engine (tokens loaded times the fitted "
+        "prefill cost per token; 0 until that cost is known, and then not judged). net: saved less the engine "
+        "wait of its loads; below 0 the tier costs more than recomputing (alert KVComposeTierNetNegative).",
         SECONDS_PER_SECOND, (q.PREFILL_SAVED, q.NET_VALUE),
     ),
     PanelSpec(
         "Prefill cost per token",
-        "The engine's measured forward time per prefilled token (kvcompose_prefill_seconds_per_token): the price "
-        "of a token that is recomputed instead of loaded.",
+        "The engine's marginal cost of prefilling a token (kvcompose_prefill_seconds_per_token), fitted online to "
+        "its steps' forward time as a fixed cost per step plus a cost per prefill token and per decode token: "
+        "the price of a token that is recomputed instead of loaded. No value until the steps' prefill sizes vary "
+        "enough to fit it.",
         "s", (q.PREFILL_COST,), min=0,
     ),
     PanelSpec(
