@@ -100,7 +100,7 @@ def _failed() -> Failed:
 
 def _lookup(args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
     tokens, load_async = result
-    return args[1], bool(load_async), tokens  # tokens None: the child is still looking
+    return args[1], bool(load_async), tokens  # tokens None: the child is still looking; the tracer adds deferrals
 
 
 def _lookup_settles(result: Any) -> bool:
@@ -140,7 +140,7 @@ _DECLARED: tuple[Operation, ...] = (
     # ---- scheduler side ----
     Operation("get_num_new_matched_tokens", _S, _REQUEST, "lookup", traced=True, always_traced=True,
               data_path=True, fallback=lambda: FAILED_LOOKUP, children="loaders",
-              attributes=(attr.COMPUTED_TOKENS, attr.LOAD_ASYNC, attr.MATCHED_TOKENS),
+              attributes=(attr.COMPUTED_TOKENS, attr.LOAD_ASYNC, attr.MATCHED_TOKENS, attr.LOOKUP_DEFERRALS),
               describe=_lookup, settles=_lookup_settles),
     Operation("get_external_cache_hit_sources", _S, _REQUEST, traced=True, fallback=dict),
     Operation("get_loaded_kv_cache_group_ids", _S, _REQUEST, traced=True),

@@ -131,7 +131,9 @@ def test_traced_calls_are_counted_down_like_any_other(vllm_config_with: Callable
     ``sample_every`` is timed for the latency histogram as well. Each has its span either way."""
     scheduler, _ = _pair(vllm_config_with, every=every, tracing=True)
     for index in range(10):
-        scheduler.get_num_new_matched_tokens(make_request(f"r{index}"), 0)
+        request = make_request(f"r{index}")
+        scheduler.get_num_new_matched_tokens(request, 0)
+        scheduler.request_finished(request, [])  # a request's lookup spans are recorded by its admission or end
 
     calls = scheduler.get_kv_connector_stats().calls  # no admitted request: the calls not timed count now
     assert calls.call_count("hot", "lookup") == 10

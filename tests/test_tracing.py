@@ -27,6 +27,7 @@ TRACEPARENT = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
 ALLOWED_ATTRIBUTES = {
     attr.CONNECTOR_NAME, attr.CONNECTOR_INDEX, attr.CONNECTOR_CLASS, attr.ROLE, attr.PIPELINE, attr.REQUEST_ID,
     attr.COMPUTED_TOKENS, attr.MATCHED_TOKENS, attr.EXTERNAL_TOKENS, attr.LOAD_ASYNC, attr.SAVE_ASYNC, attr.BLOCKS,
+    attr.LOOKUP_DEFERRALS,
     attr.LOADED_BY, attr.LOADED_TOKENS, attr.REQUESTS, attr.LAYER, attr.FINISHED_SENDING, attr.FINISHED_RECVING,
     attr.ERROR_TYPE, attr.TRANSFER_DIRECTION, attr.TRANSFER_BLOCKS, attr.TRANSFER_BYTES, attr.TRANSFER_OUTCOME,
     attr.TRANSFER_COPY_SECONDS, attr.TRANSFER_COPY_SOURCE,
@@ -106,6 +107,33 @@ def test_request_granularity_joins_the_incoming_trace(vllm_config_with: Callable
     assert {summary_key(child, "save", "lifetime_s") for child in ("hot", "cold")} <= set(summary)
     assert summary_key("hot", "load", "lifetime_s") not in summary  # hot loaded nothing
     assert all(set(span.attributes) <= ALLOWED_ATTRIBUTES for span in spans)
+    assert scheduler._instrumentation.tracer.open_requests == 0
+
+
+@pytest.mark.parametrize("granularity", ["request", "step"])
+def test_a_deferred_lookup_leaves_one_lookup_span_per_child_that_counts_the_deferrals(
+    vllm_config_with: Callable, exporter: Any, granularity: str,
+) -> None:
+    """The second child answers "ask again later" twice (vLLM asks again each step) while the first answers every
+    time: at request granularity the trace holds one lookup per child, the one of the round vLLM admitted the
+    request on, with the deferrals before it; at step granularity every lookup, each with the deferrals so far."""
+    pipeline = _pipeline({"granularity": granularity})
+    pipeline["children"][1]["config"]["script"]["matches"]["r1"] = [[None, True], [None, True], [32, True]]
+    scheduler, worker = composite_pair(vllm_config_with, pipeline)
+    request = make_request("r1", TRACEPARENT)
+    for _ in range(2):
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    _serve_one_request(scheduler, worker, request)
+
+    lookups = [(span.attributes[attr.CONNECTOR_NAME], span.attributes.get(attr.MATCHED_TOKENS),
+                span.attributes[attr.LOOKUP_DEFERRALS])
+               for span in sorted(exporter.get_finished_spans(), key=lambda span: span.start_time)
+               if span.name == "kvcompose.lookup"]
+    if granularity == "request":
+        assert sorted(lookups) == [("cold", 32, 2), ("hot", 0, 0)]
+    else:
+        assert lookups == [("hot", 0, 0), ("cold", None, 0), ("hot", 0, 0), ("cold", None, 1), ("hot", 0, 0),
+                           ("cold", 32, 2)]
     assert scheduler._instrumentation.tracer.open_requests == 0
 
 

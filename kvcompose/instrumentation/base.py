@@ -202,8 +202,12 @@ class Instrumentation:
                 values = operation.describe(args, result)
             except Exception:  # a result of a shape the child should not return: described by nothing
                 values = None
-        record = (error is not None or operation.always_traced or tracer.granularity != "request"
-                  or end_ns - start_ns > tracer.slow_call_ns)
+        slow = end_ns - start_ns > tracer.slow_call_ns
+        if values is not None and operation.settles is not None:  # a lookup answered (or deferred)
+            tracer.end_lookup(span, observation.template, start_ns, end_ns, values, observation.child,
+                              operation.settles(result), slow)
+            return
+        record = error is not None or operation.always_traced or tracer.granularity != "request" or slow
         tracer.end_call(span, observation.template, start_ns, end_ns, values,
                         None if error is None else qualified_name(type(error)), record)
 

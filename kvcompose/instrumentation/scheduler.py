@@ -126,6 +126,8 @@ class SchedulerInstrumentation(Instrumentation):
     def admitted(self, request: Request, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks (update_state_after_alloc returned)."""
         req_id = request.request_id
+        if self.tracer is not None:
+            self.tracer.request_admitted(req_id)
         if req_id in self._admitted:
             return
         self._admitted.add(req_id)

@@ -13,6 +13,7 @@ COMPUTED_TOKENS = "kvcompose.tokens.computed"
 MATCHED_TOKENS = "kvcompose.tokens.matched"
 EXTERNAL_TOKENS = "kvcompose.tokens.external"
 LOAD_ASYNC = "kvcompose.load.async"
+LOOKUP_DEFERRALS = "kvcompose.lookup.deferrals"  # the child's "ask again later" answers before this lookup
 SAVE_ASYNC = "kvcompose.save.async"
 BLOCKS = "kvcompose.blocks"
 LOADED_BY = "kvcompose.load.connector"

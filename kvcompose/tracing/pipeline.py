@@ -7,7 +7,11 @@ A traced request's trace holds, at every granularity:
   request, with a summary of what its transfers did: the child that loaded it
   and how many tokens, and per child and direction the lifetime, copy time and
   bytes of its transfers that ended by then;
-- a ``kvcompose.lookup`` span per child asked about it;
+- a ``kvcompose.lookup`` span per child asked about it, counting the times the
+  child deferred it before ("ask again later", as OffloadingConnector answers
+  while its lookup runs); at ``request`` granularity only each child's lookup
+  of the round vLLM admitted the request on (and of a resumption after
+  preemption), not those of the rounds a child deferred, unless slow;
 - a ``kvcompose.transfer <direction> <child>`` span per transfer (see
   :mod:`kvcompose.instrumentation.transfers`), on the worker;
 - at ``request`` granularity, the other calls about it only if they failed or
@@ -90,6 +94,8 @@ class _RequestSpan:
     loaded_by: str | None = None
     loaded_tokens: int | None = None
     summary: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    deferrals: dict[int, int] = field(default_factory=dict)  # child index -> lookups it deferred since it answered
+    lookups: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)  # child index -> its latest lookup's spans
 
 
 class CallSpan(NamedTuple):
@@ -159,14 +165,51 @@ class PipelineTracer:
     ) -> None:
         """The call ended: its span is recorded if ``record`` (one per parent), with the breaker events that
         happened during it."""
+        events = self._call_ended(call)
+        if record:
+            self._records.extend(self._call_spans(call, template, start_ns, end_ns, values, error_type, events))
+
+    def end_lookup(
+        self, call: CallSpan, template: int, start_ns: int, end_ns: int, values: tuple[Any, ...], child: int,
+        answered: bool, slow: bool,
+    ) -> None:
+        """A lookup of child ``child`` ended without failing; ``answered`` is false for "ask again later". Its span
+        adds the child's deferrals of the request before it. At ``request`` granularity the child's latest lookup
+        is held until vLLM admits the request (or it ends): the trace keeps the lookups of the round that settled,
+        not those of the rounds some child deferred. A slow one is recorded at once."""
+        events = self._call_ended(call)
+        entry = self._requests.get(call.request_id) if call.request_id is not None else None
+        deferrals = 0
+        if entry is not None:
+            deferrals = entry.deferrals.pop(child, 0)
+            if not answered:
+                entry.deferrals[child] = deferrals + 1
+        spans = self._call_spans(call, template, start_ns, end_ns, (*values, deferrals), None, events)
+        if entry is None or self.granularity != "request" or slow:
+            self._records.extend(spans)
+            if entry is not None:
+                entry.lookups.pop(child, None)
+        else:
+            entry.lookups[child] = spans
+
+    @staticmethod
+    def _call_ended(call: CallSpan) -> tuple[Any, ...]:
+        """Logs no longer carry the call's ids; the breaker events that happened during it."""
         CURRENT_CALL.ids = call.outer
-        events = _CALL_EVENTS.pop(call.span_id, ()) if _CALL_EVENTS else ()
-        if not record:
-            return
+        return _CALL_EVENTS.pop(call.span_id, ()) if _CALL_EVENTS else ()
+
+    @staticmethod
+    def _call_spans(
+        call: CallSpan, template: int, start_ns: int, end_ns: int, values: tuple[Any, ...] | None,
+        error_type: str | None, events: tuple[Any, ...],
+    ) -> list[tuple[Any, ...]]:
+        """The call's span records, one per parent: the first gets the call's span id."""
+        spans = []
         for position, parent in enumerate(call.parents):
             span_id = call.span_id if not position else IDS.random_bits(64) or 1
-            self._records.append((template, parent.trace_id, span_id, parent.span_id, start_ns, end_ns,
-                                  call.request_id, values, error_type, (), events))
+            spans.append((template, parent.trace_id, span_id, parent.span_id, start_ns, end_ns, call.request_id,
+                          values, error_type, (), events))
+        return spans
 
     # ---- scheduler side ----
 
@@ -187,6 +230,16 @@ class PipelineTracer:
             entry = _RequestSpan(trace_id, IDS.span_id(), parent_id, time_ns())
         self._requests[request.request_id] = entry
         return entry
+
+    def request_admitted(self, req_id: str) -> None:
+        """vLLM allocated the request's blocks: its lookups held until now (each child's latest) are recorded."""
+        if (entry := self._requests.get(req_id)) is not None and entry.lookups:
+            self._record_lookups(entry)
+
+    def _record_lookups(self, entry: _RequestSpan) -> None:
+        for spans in entry.lookups.values():
+            self._records.extend(spans)
+        entry.lookups.clear()
 
     def request_loaded(self, req_id: str, child: str, tokens: int) -> None:
         """The traced request's tokens are loaded by ``child`` (its summary names it)."""
@@ -215,6 +268,8 @@ class PipelineTracer:
             self._finished_async[req_id] = entry
 
     def _end_request_span(self, req_id: str, entry: _RequestSpan) -> None:
+        if entry.lookups:  # asked about since its last admission, or never admitted
+            self._record_lookups(entry)
         values: list[Any] = [entry.loaded_by, entry.loaded_tokens]
         for child, direction, name in self._summary_keys:
             if (line := entry.summary.get((child, direction))) is None:
