@@ -209,6 +209,9 @@ def test_text_states_the_numbers_behind_each_recommendation(tmp_path: Path,
     assert "net negative: it saved 1 s of prefill but its loads held the engine 1.2 s (its saves a further 0.5 s)" in out
     assert "95% of the blocks written to it are not read from it" in out
     assert "longest_match would have loaded 1,000 more tokens from it" in out
+    # The policy is not in the metrics: behind an earlier loader a reach is what first_match would serve at most.
+    assert "serves reuse distances [512, 1,536): " in out
+    assert "serves reuse distances [1,536, 8,704) at most (under first_match see tokens forgone)" in out
     assert out.rstrip().endswith("net negative: disk")
 
 
