@@ -42,7 +42,8 @@ def add_command(commands: Commands) -> None:
         "second net of the engine wait the tier caused, copy p99 and throughput, the size where the hit-ratio "
         "curve reaches 90% of its ceiling, the marginal hit ratio per extra GiB, write waste and the tokens the "
         "load policy left behind, with advice stating the figures behind it. Exit status 1 when a tier is net "
-        "negative (for nothing else), 2 when the input cannot be advised on.")
+        "negative (for nothing else; no tier is judged while the engine's prefill cost per token is not known), 2 "
+        "when the input cannot be advised on.")
     source = advise.add_mutually_exclusive_group(required=True)
     source.add_argument("--metrics", type=Path, metavar="FILE",
                         help="a saved /metrics exposition; per second means since the server started")
