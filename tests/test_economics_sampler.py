@@ -235,3 +235,16 @@ def test_tier_reaches_follow_the_load_order_and_sizes() -> None:
     assert tier_reaches(100, [None, 400]) == [None, None]
     assert tier_reaches(0, [400, 1000]) == [Reach(0, 400), Reach(400, 1000)]  # no GPU prefix hits: from 0
     assert size_grid([300, 5000]) == [256, 300, 512, 1024, 2048, 4096, 5000, 8192, 16384, 32768, 65536]
+
+
+def test_a_tier_with_an_empty_reach_wastes_every_write() -> None:
+    """A loader no larger than an earlier one serves no reuse distance: nothing written to it is read from it,
+    while the earlier tier reads back the repeats."""
+    earlier, empty = Reach(100, 500), Reach(500, 500)
+    sampler = exact_sampler(1024, reaches=(earlier, empty))
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, np.iinfo(np.uint64).max, size=200, dtype=np.uint64)
+    for _ in range(3):  # each block comes back at a reuse distance of 199, within the earlier tier's reach
+        sampler.record(blocks)
+    assert sampler.write_waste(earlier) == 0.0  # written once (the first references), read back since
+    assert sampler.write_waste(empty) == 1.0
