@@ -6,6 +6,7 @@ real engines (OffloadingConnector, NIXL) are in the end-to-end tests.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -285,6 +286,34 @@ def test_each_kind_of_child_is_tracked_by_how_it_reports_completion() -> None:
     # NixlConnector resolves to a subclass of another name (NixlPullConnector on vLLM 0.32).
     assert (mode("NixlConnector"), mode("OffloadingConnector"), mode("ExampleConnector")) == (
         "finish", "jobs", "sync")
+
+
+def test_a_direction_without_copy_times_has_no_copy_series_nor_source() -> None:
+    """NIXL's saves record no copy time (in its default pull mode the decode side moves the blocks): their
+    lane gets no copy series, so no ``source`` label claims one; its loads' copy times are NIXL's own."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvcompose.instrumentation.transfers import copy_source
+    from kvcompose.metrics.transfer_series import TransferSeries
+
+    def sources(connector: str) -> dict[str, str | None]:
+        config = KVTransferConfig(kv_connector=connector, kv_role="kv_both")
+        return copy_source(KVConnectorFactory.get_connector_class(config))
+
+    assert sources("NixlConnector") == {"load": "child", "save": None}
+    assert sources("OffloadingConnector") == {"load": "child", "save": "child"}
+    assert sources("ExampleConnector") == {"load": "calls", "save": "calls"}
+
+    registry = CollectorRegistry()
+    types = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    TransferSeries(types, ["connector"], {0: []}, ["remote", "disk"],
+                   [sources("NixlConnector"), sources("ExampleConnector")], (0.1, 1.0))
+    copy_lanes = {(sample.labels["connector"], sample.labels["direction"], sample.labels["source"])
+                  for metric in registry.collect() for sample in metric.samples
+                  if sample.name in ("kvcompose_transfer_copy_seconds_count", "kvcompose_transfer_copied_bytes_total")}
+    assert copy_lanes == {("remote", "load", "child"), ("disk", "load", "calls"), ("disk", "save", "calls")}
 
 
 def test_engine_wait_and_copy_time_are_the_time_inside_the_childs_blocking_calls(vllm_config_with: Callable,

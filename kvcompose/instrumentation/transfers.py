@@ -91,10 +91,14 @@ def completion_mode(connector_cls: type) -> Mode:
     return "sync"
 
 
-def copy_source(connector_cls: type) -> CopySource:
-    """Where a child's copy times come from: its own measurements (OffloadingConnector, NIXL), or kvcompose's
-    calls into it."""
-    return "calls" if completion_mode(connector_cls) == "sync" else "child"
+def copy_source(connector_cls: type) -> dict[Direction, CopySource | None]:
+    """Where a child's copy times come from, per direction: its own measurements (OffloadingConnector, NIXL's
+    loads), kvcompose's calls into it, or None where none is recorded (NIXL's saves: in its default pull mode
+    the decode side moves the blocks, and the prefill side measures no send)."""
+    mode = completion_mode(connector_cls)
+    if mode == "sync":
+        return {"load": "calls", "save": "calls"}
+    return {"load": "child", "save": "child" if mode == "jobs" else None}
 
 
 def _jobs(child_metadata: Any) -> Iterable[tuple[Direction, Any, Any]]:

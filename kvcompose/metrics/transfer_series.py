@@ -3,7 +3,9 @@
 Per engine, child (``connector``) and ``direction``: the lifetime histogram
 (its buckets' exemplars link to the traces), the copy-time histogram (labelled
 with where the child's copy times come from, ``source``), bytes moved and
-the bytes of the transfers with a copy time (the copy throughput's bytes),
+the bytes of the transfers with a copy time (the copy throughput's bytes; a
+child and direction that records no copy time, such as NIXL's saves, has
+neither copy series),
 transfers in flight, failures by ``outcome`` and engine wait, every series
 created at 0 at start-up so that ``rate()`` sees the first transfer. The three
 times are defined in kvcompose.instrumentation.transfers.
@@ -20,7 +22,7 @@ keeps none in its shared files. Ray's histograms take none either.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +38,7 @@ class _Lane:
 
     lifetime: Any
     add_lifetime: CellAdder
-    add_copy: CellAdder
+    add_copy: CellAdder | None  # None: no copy time is recorded in this lane
     moved_bytes: Any
     copied_bytes: Any
     engine_wait: Any
@@ -52,11 +54,11 @@ class TransferSeries:
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
         children: Sequence[str],
-        copy_sources: Sequence[str],
+        copy_sources: Sequence[Mapping[str, str | None]],
         bounds: Sequence[float],
     ) -> None:
         """``labelnames``: vLLM's and the child's (``connector``); ``direction`` is added. ``copy_sources``: per
-        child, where its copy times come from (``child`` or ``calls``)."""
+        child and direction, where its copy times come from (``child`` or ``calls``; None: none is recorded)."""
         names = [*labelnames, "direction"]
         lifetime = metric_types[Histogram](
             "kvcompose_transfer_lifetime_seconds",
@@ -107,15 +109,17 @@ class TransferSeries:
         self._lanes: dict[int, list[_Lane]] = {}
         for engine_idx, engine_labels in per_engine_labelvalues.items():
             lanes = self._lanes[engine_idx] = []
-            for child, source in zip(children, copy_sources, strict=True):
+            for child, sources in zip(children, copy_sources, strict=True):
                 for direction in DIRECTIONS:
                     labels = (*engine_labels, child, direction)
                     series = lifetime.labels(*labels)
                     failures = tuple(failed.labels(*labels, outcome) for outcome in FAILURES)
+                    source = sources[direction]
                     lane = _Lane(series, cell_adder(series, self._bounds),
-                                 cell_adder(copy.labels(*labels, source), self._bounds), moved_bytes.labels(*labels),
-                                 copied_bytes.labels(*labels, source), engine_wait.labels(*labels),
-                                 in_flight.labels(*labels), failures)
+                                 None if source is None else cell_adder(copy.labels(*labels, source), self._bounds),
+                                 moved_bytes.labels(*labels),
+                                 None if source is None else copied_bytes.labels(*labels, source),
+                                 engine_wait.labels(*labels), in_flight.labels(*labels), failures)
                     lane.in_flight.set(0)
                     lanes.append(lane)
         some_lane = next(iter(self._lanes.values()))[0]
@@ -134,12 +138,13 @@ class TransferSeries:
             lanes[lane].add_lifetime(bucket, count, seconds, None if exemplar is None else (exemplar[1], exemplar[2]))
         for cell, (count, seconds) in table.copy_cells.items():
             lane, bucket = divmod(cell, table.buckets)
-            lanes[lane].add_copy(bucket, count, seconds, None)
+            if (add_copy := lanes[lane].add_copy) is not None:  # the tracker gives such a lane no copy time
+                add_copy(bucket, count, seconds, None)
         for lane, moved, copied, change, waited in zip(lanes, table.moved_bytes, table.copied_bytes, table.in_flight,
                                                        table.waited, strict=True):
             if moved:
                 lane.moved_bytes.inc(moved)
-            if copied:
+            if copied and lane.copied_bytes is not None:
                 lane.copied_bytes.inc(copied)
             if waited:
                 lane.engine_wait.inc(waited)
