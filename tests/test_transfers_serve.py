@@ -106,6 +106,10 @@ def test_offload_transfers_are_traced_measured_and_exemplified(
         copied = _metric(metrics, "kvcompose_transfer_copy_seconds_sum", connector="offload", direction=direction,
                          source="child")
         assert copied == pytest.approx(measured, rel=1e-3)
+    # So do the bytes of those copies: the copy throughput's bytes and seconds are vLLM's own.
+    for direction, job in (("save", "store"), ("load", "load")):
+        assert _metric(metrics, "kvcompose_transfer_copied_bytes_total", connector="offload", direction=direction,
+                       source="child") == _metric(metrics, f"vllm:kv_offload_{job}_bytes_total") > 0
     for span in saved + loaded:  # a copy time no longer than the transfer's lifetime, wherever it comes from
         assert 0 < span.attributes["kvcompose.transfer.copy_seconds"] * 1e9 <= span.duration_ns
     assert {span.attributes["kvcompose.transfer.copy_source"] for span in saved + loaded
