@@ -49,7 +49,7 @@ def counted(path: Path) -> dict[str, int]:
     of its last lookup before it (a hit if it held tokens: lookups, hits, matched tokens) and the tokens it was
     told to load; and how often vLLM asked (``asked``) and allocated (``allocations``) in all."""
     counts = dict.fromkeys(("lookups", "hits", "matched", "loaded", "asked", "allocations"), 0)
-    last_answer: dict[str, int | None] = {}
+    last_answer: dict[str, int] = {}
     admitted: set[str] = set()
     for line in map(json.loads, path.read_text().splitlines()):
         req_id, tokens = line["req"], line["tokens"]
