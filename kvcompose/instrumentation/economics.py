@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from kvcompose.connectors.children import ChildSpec
 
 REPORT_EVERY_S = 5.0
-# As the engine goes idle, the curve is reported if this long passed since the last report: computing it costs
-# tens of microseconds, and an engine serving one request at a time goes idle after each.
+# As the engine goes idle, the curve is reported if this long passed since the last report: an engine serving one
+# request at a time goes idle after each, and the curve is not worth computing that often.
 IDLE_REPORT_AFTER_S = 1.0
 # The prefill cost's fit: a step's weight halves over this many later steps. It needs this many steps'
 # weight, and the steps' prefill sizes to spread (a standard deviation the decodes do not explain) by this

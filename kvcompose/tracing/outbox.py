@@ -6,15 +6,15 @@ no decision about when to ship. One daemon thread per process (started with the
 first outbox) takes every outbox's records each :data:`DRAIN_EVERY_S` and hands
 them to the outbox's shipper (:mod:`kvcompose.tracing.shipping`), as
 OpenTelemetry's ``BatchSpanProcessor`` does on its schedule. While its drains
-find nothing, it backs off to :data:`IDLE_DRAIN_EVERY_S` (a thread's wake-up
-costs about 0.1 ms of CPU on these machines: ten a second were most of what an
-idle tracing engine spent on tracing). :func:`force_flush` does the same at
+find nothing, it backs off to :data:`IDLE_DRAIN_EVERY_S`: ten wake-ups a second
+were most of what an idle tracing engine spent on tracing (``make bench``,
+request_rate at 0 requests/s). :func:`force_flush` does the same at
 once (a shipper closing, tests).
 
-Shipping on the engine's thread cost a ``marshal`` and a copy into the ring
-(about 15 us in an engine, cold caches) at every worker step that moved a
-traced request's KV, and whenever the scheduler's last request finished: on
-the path to that request's first token, and once per request at low rates.
+Shipping on the engine's thread would cost a ``marshal`` and a copy into the
+ring at every worker step that moved a traced request's KV, and whenever the
+scheduler's last request finished: on the path to that request's first token,
+and once per request at low rates.
 The thread ships a tenth of a second's records at once, off that path.
 
 Between the two threads: the engine's thread only appends; a drain copies the

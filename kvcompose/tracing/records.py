@@ -4,8 +4,8 @@ On the engine's hot path a span is a plain tuple (the fields of
 :class:`SpanRecord`, in order): the id of its :class:`SpanTemplate`, trace
 and span ids, start and end in ns since the epoch, the request id, and the
 values of the template's keys. No OpenTelemetry object and no attribute dict
-is made there; creating and encoding SDK spans costs tens of microseconds
-each on these CPUs. A template (span name, fixed attributes, the names of the
+is made there: building and encoding SDK spans is most of what tracing costs
+(docs/performance.md, "Tracing every request"). A template (span name, fixed attributes, the names of the
 values) is registered once at start-up and shipped once. Records become SDK
 ``ReadableSpan`` objects later, in the exporter process (or in-process when a
 test or an embedder supplies its own exporter), with their real timings and
@@ -95,7 +95,7 @@ class IdSource:
     def __init__(self) -> None:
         self._random = random.Random(os.urandom(32))
         os.register_at_fork(after_in_child=lambda: self._random.seed(os.urandom(32)))
-        # The generator's own method, for hot paths: ``random_bits(64) or 1`` is a span id.
+        # ``random_bits(64) or 1`` is a span id (0 is not a valid one).
         self.random_bits = self._random.getrandbits
 
     def span_id(self) -> int:
