@@ -10,7 +10,7 @@ figure (they are levels, not counts).
 
 The front-end (:class:`EconomicsSeries`) sets the gauges, and prices what each
 tier loaded: ``kvcompose_prefill_seconds_saved_total{connector}`` grows by the
-tokens a tier was chosen to load times the engine's measured prefill cost per
+tokens a tier was chosen to load times the engine's fitted prefill cost per
 token, at the time they were loaded (tokens loaded before the first cost is
 known are priced once it is).
 """
@@ -35,7 +35,7 @@ class EconomicsReport:
     reaches: dict[str, list[int]] | None = None  # loading tier -> [start, end) of the reuse distances it serves
     block_bytes: int | None = None  # bytes of one KV block, over every layer and worker
     write_waste: dict[str, float] | None = None  # tier -> estimated share of its saved blocks never read from it
-    prefill_seconds_per_token: float | None = None  # the engine's measured prefill cost
+    prefill_seconds_per_token: float | None = None  # the engine's fitted marginal prefill cost per token
 
     def add(self, other: EconomicsReport) -> None:
         """Take ``other``'s figures where it has any: the later report of a level wins."""
@@ -101,7 +101,7 @@ class EconomicsSeries:
         self.saved = metric_types[Counter](
             "kvcompose_prefill_seconds_saved_total",
             "Prefill seconds each tier saved the engine: the tokens it was chosen to load, times the engine's "
-            "measured prefill cost per token.",
+            "fitted prefill cost per token (tokens loaded before that cost is known are priced once it is).",
             labelnames=[*labelnames, "connector"])
         for labels in per_engine_labelvalues.values():
             for child in children:
