@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
+from logging.handlers import BufferingHandler
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,15 +39,6 @@ class HashRecordingConnector(RecordingConnector):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.log.append(("block_hashes", list(request.block_hashes)))
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def written_forms(block_hash: bytes) -> set[str]:
@@ -79,7 +71,7 @@ def emitted(tiny_model: Path) -> Iterator[tuple[list[bytes], dict[str, str]]]:
             {"name": "recorder", "connector": "HashRecordingConnector", "module_path": __name__,
              "config": {"log": LOG}},
         ]}
-    lines = _Lines()
+    lines = BufferingHandler(capacity=1 << 20)  # keeps every record kvcompose logs
     logging.getLogger(ROOT_LOGGER).addHandler(lines)
     try:
         with in_process_llm(tiny_model, pipeline) as (llm, spans):
@@ -92,7 +84,8 @@ def emitted(tiny_model: Path) -> Iterator[tuple[list[bytes], dict[str, str]]]:
                 assert time.monotonic() < deadline, "the economics never reached /metrics"
                 time.sleep(1.2)
                 generate(llm, [PROMPTS[0]])
-            outputs = {"logs": "\n".join(lines.lines), "metrics": generate_latest(REGISTRY).decode(),
+            outputs = {"logs": "\n".join(record.getMessage() for record in lines.buffer),
+                       "metrics": generate_latest(REGISTRY).decode(),
                        "spans": "\n".join(span.to_json() for span in spans.get_finished_spans())}
     finally:
         logging.getLogger(ROOT_LOGGER).removeHandler(lines)
