@@ -167,7 +167,7 @@ def _tier(advice: Advice, tier: TierAmounts, reach: Reach | None) -> TierAdvice:
 def _copy(tier: TierAmounts, direction: str, span: float | None) -> CopyFigures:
     amounts = tier.directions[direction]
     return CopyFigures(quantile(COPY_QUANTILE, amounts.copy_buckets.items()), _per_second(amounts.bytes, span),
-                       amounts.bytes / amounts.copy_s if amounts.copy_s > 0 else None)
+                       amounts.copied_bytes / amounts.copy_s if amounts.copy_s > 0 else None)
 
 
 def _net_negative(tier: TierAdvice, saved: float, waits: dict[str, float]) -> Recommendation:

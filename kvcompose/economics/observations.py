@@ -25,7 +25,8 @@ class InputError(Exception):
 @dataclass
 class DirectionAmounts:
     engine_wait_s: float = 0.0
-    bytes: float = 0.0
+    bytes: float = 0.0  # of every ended transfer
+    copied_bytes: float = 0.0  # of the transfers with a copy time: those copy_s covers
     copy_s: float = 0.0
     copies: float = 0.0
     copy_buckets: dict[float, float] = field(default_factory=lambda: defaultdict(float))  # le -> cumulative
@@ -131,6 +132,8 @@ class ObservationsBuilder:
             amounts.engine_wait_s += value
         elif name == "kvcompose_transfer_bytes_total":
             amounts.bytes += value
+        elif name == "kvcompose_transfer_copied_bytes_total":
+            amounts.copied_bytes += value
         elif name == "kvcompose_transfer_copy_seconds_sum":
             amounts.copy_s += value
         elif name == "kvcompose_transfer_copy_seconds_count":

@@ -31,6 +31,7 @@ _COUNTERS = {
     "kvcompose_tokens_forgone_total": "connector",
     "kvcompose_engine_wait_seconds_total": "connector, direction",
     "kvcompose_transfer_bytes_total": "connector, direction",
+    "kvcompose_transfer_copied_bytes_total": "connector, direction",
     "kvcompose_transfer_copy_seconds_sum": "connector, direction",
     "kvcompose_transfer_copy_seconds_count": "connector, direction",
     "kvcompose_transfer_copy_seconds_bucket": "connector, direction, le",
