@@ -244,9 +244,10 @@ class TransferTracker:
         and the composite stopped its layer saves)."""
         saves, self._step.saves = self._step.saves, []
         end, failed = time_ns(), self._failed_children()
+        blocks = _blocks_by_child(saves)
         for transfer in saves:
             outcome: Outcome = "aborted" if aborted else "failed" if failed[transfer.child] else "ok"
-            self._end(transfer, end, outcome, self._calls_copy(transfer, saves))
+            self._end(transfer, end, outcome, self._calls_copy(transfer, blocks))
 
     def load_errors(self, blocks: set[int]) -> None:
         self._load_error_blocks |= blocks
@@ -255,10 +256,11 @@ class TransferTracker:
         """The step's sync loads end, at their child's last load wait, once the blocks that failed to load are
         known (vLLM asks for them after the forward pass)."""
         loads, self._step.loads = self._step.loads, []
+        blocks = _blocks_by_child(loads)
         for transfer in loads:
             outcome: Outcome = "ok" if self._load_error_blocks.isdisjoint(transfer.block_ids) else "failed"
             end = self.waits.load_end_ns[transfer.child] or time_ns()
-            self._end(transfer, end, outcome, self._calls_copy(transfer, loads))
+            self._end(transfer, end, outcome, self._calls_copy(transfer, blocks))
 
     def end_step(self) -> None:
         """The step's metadata is cleared: what it moved synchronously has ended."""
@@ -309,9 +311,9 @@ class TransferTracker:
         """End the loads awaiting their copy time (``child``'s, or all), sharing ``measured`` among them."""
         ending = [(transfer, end) for transfer, end in self._awaiting_copy if child in (None, transfer.child)]
         self._awaiting_copy = [entry for entry in self._awaiting_copy if entry not in ending]
-        together = [transfer for transfer, _ in ending]
+        together = _blocks_by_child([transfer for transfer, _ in ending])
         for transfer, end in ending:
-            self._end(transfer, end, "ok", _share(measured, transfer, together))
+            self._end(transfer, end, "ok", _share(measured, transfer, together[transfer.child]))
 
     def worker_meta(self, child: int, worker_meta: Any) -> None:
         """A ``jobs`` child's worker metadata: the jobs it completed, and the copy time its workers measured."""
@@ -326,8 +328,9 @@ class TransferTracker:
         stats = getattr(worker_meta, "transfer_stats", None)
         for direction, transfers in done.items():
             measured = getattr(getattr(stats, "load" if direction == "load" else "store", None), "time", None)
+            together = (len(transfers), sum(transfer.blocks for transfer in transfers))
             for transfer in transfers:
-                self._end(transfer, end, "aborted" if transfer.aborted else "ok", _share(measured, transfer, transfers))
+                self._end(transfer, end, "aborted" if transfer.aborted else "ok", _share(measured, transfer, together))
 
     def loads_given_back(self, req_ids: set[str]) -> None:
         """kvcompose reported these requests' async loads failed (their child failed): each of their open loads,
@@ -368,11 +371,11 @@ class TransferTracker:
         self._recorder.started(child, direction)
         return Transfer(child, direction, req_id, blocks, self._bound_at, self._contexts.get(req_id))
 
-    def _calls_copy(self, transfer: Transfer, of_step: Sequence[Transfer]) -> tuple[float, CopySource] | None:
+    def _calls_copy(self, transfer: Transfer, blocks: dict[int, tuple[int, int]]) -> tuple[float, CopySource] | None:
         """A sync transfer's copy time: its child's blocking calls of the step in its direction, shared among the
-        step's transfers of that child by their blocks."""
-        seconds = self.waits.of(transfer.child, transfer.direction)
-        return seconds * _fraction(transfer, [t for t in of_step if t.child == transfer.child]), "calls"
+        step's transfers of that child by their blocks (``blocks``: per child, the step's transfers in that
+        direction and their blocks)."""
+        return self.waits.of(transfer.child, transfer.direction) * _part(transfer, blocks[transfer.child]), "calls"
 
     def _end(
         self, transfer: Transfer, end_ns: int, outcome: Outcome, copy: tuple[float, CopySource] | None,
@@ -421,16 +424,24 @@ class TransferTracker:
             logger.warning("transfers expired without completing", transfers=len(expired), expiry_s=EXPIRY_S)
 
 
-def _fraction(transfer: Transfer, together: Sequence[Transfer]) -> float:
-    """``transfer``'s share of what it was made with, by blocks (equal shares when none has blocks)."""
-    blocks = sum(other.blocks for other in together)
-    if blocks:
-        return transfer.blocks / blocks
-    return 1 / len(together) if together else 1.0
+def _blocks_by_child(transfers: Sequence[Transfer]) -> dict[int, tuple[int, int]]:
+    """Per child: how many of ``transfers`` are its, and their blocks."""
+    totals: dict[int, tuple[int, int]] = {}
+    for transfer in transfers:
+        count, blocks = totals.get(transfer.child, (0, 0))
+        totals[transfer.child] = (count + 1, blocks + transfer.blocks)
+    return totals
 
 
-def _share(measured: float | None, transfer: Transfer, together: Sequence[Transfer]) -> tuple[float, CopySource] | None:
-    """``transfer``'s share of a copy time its child measured for ``together``."""
+def _part(transfer: Transfer, together: tuple[int, int]) -> float:
+    """``transfer``'s share of what it was made with (``together``: how many transfers, and their blocks), by
+    blocks (equal shares when none has blocks)."""
+    count, blocks = together
+    return transfer.blocks / blocks if blocks else 1 / count
+
+
+def _share(measured: float | None, transfer: Transfer, together: tuple[int, int]) -> tuple[float, CopySource] | None:
+    """``transfer``'s share of a copy time its child measured for the transfers ``together`` counts."""
     if measured is None:
         return None
-    return measured * _fraction(transfer, together), "child"
+    return measured * _part(transfer, together), "child"

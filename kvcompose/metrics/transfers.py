@@ -238,8 +238,8 @@ class TransferRecorder:
         outcome: Outcome, trace_id: str | None,
     ) -> None:
         """A transfer of child ``child`` ended after ``lifetime_s``, having moved ``nbytes`` (whatever the outcome:
-        pass what moved) in ``copy_s`` (None: unknown; else its bytes also count as copied). ``trace_id`` (32 hex digits), when it was traced, becomes
-        its lifetime bucket's exemplar."""
+        pass what moved) in ``copy_s`` (None: unknown; else its bytes also count as copied). ``trace_id`` (32 hex
+        digits), when it was traced, becomes its lifetime bucket's exemplar."""
         if self.enabled:
             lane = child * len(DIRECTIONS) + _DIRECTION_INDEX[direction]
             failure = -1 if outcome == "ok" else lane * len(FAILURES) + _FAILURE_INDEX[outcome]
