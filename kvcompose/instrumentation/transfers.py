@@ -328,9 +328,10 @@ class TransferTracker:
         stats = getattr(worker_meta, "transfer_stats", None)
         for direction, transfers in done.items():
             measured = getattr(getattr(stats, "load" if direction == "load" else "store", None), "time", None)
-            together = (len(transfers), sum(transfer.blocks for transfer in transfers))
+            together = _blocks_by_child(transfers)
             for transfer in transfers:
-                self._end(transfer, end, "aborted" if transfer.aborted else "ok", _share(measured, transfer, together))
+                outcome: Outcome = "aborted" if transfer.aborted else "ok"
+                self._end(transfer, end, outcome, _share(measured, transfer, together[transfer.child]))
 
     def loads_given_back(self, req_ids: set[str]) -> None:
         """kvcompose reported these requests' async loads failed (their child failed): each of their open loads,
