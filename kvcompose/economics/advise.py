@@ -10,9 +10,10 @@ that states the figures behind it (kvcompose.economics.advice).
 
 Exit status: 0; 1 when a tier is net negative (it saved less prefill time
 than the engine waited on it), so the command can gate a rollout, and for
-nothing else (without a known prefill cost per token no tier is judged); 2 when the input cannot be advised on (a bad option, a file
-that is not a kvcompose /metrics, a Prometheus that does not answer), one
-line per problem. Nothing here imports vLLM or numpy.
+nothing else (without a known prefill cost per token no tier is judged); 2
+when the input cannot be advised on (a bad option, a file that is not a
+kvcompose /metrics, a Prometheus that does not answer), one line per
+problem. Nothing here imports vLLM or numpy.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Counters are read as ``increase`` over the window (summed over engines),
 gauges as their average over it (over engines too), the tiers' capacities
-and reaches as their last value. Per second means over the part of the window the data
-covers (from its first kvcompose sample), so a server younger than the
+and reaches as their last value. Per second means over the part of the
+window the data covers (from its first kvcompose sample), so a server younger than the
 window is not diluted by the hours before it started.
 """
 

@@ -4,7 +4,8 @@ The scheduler knows the engine's prefix-block stream (its hit-ratio curve by
 cache size, from kvcompose.economics.shards), the GPU cache and each tier's
 capacity (the GPU cache's is 0 with prefix caching off: it serves no prefix
 hits), the reuse distances each loading tier serves, and the bytes of a
-block; a worker measures what prefilling a token costs the engine. Each reports what changed, at most every few seconds, as an
+block; a worker measures what prefilling a token costs the engine. Each
+reports what changed, at most every few seconds, as an
 :class:`EconomicsReport` in its stats; merged reports keep the latest of each
 figure (they are levels, not counts).
 

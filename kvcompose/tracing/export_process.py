@@ -19,8 +19,9 @@ before its ``atexit`` leaves its live files (:mod:`kvcompose.live`): the
 exporter removes them.
 
 Schedule: every wake-up costs the exporter CPU, and the engine ships ten
-times a second while it traces, so the exporter is not woken by every ship: while records keep coming it reads the ring every
-:data:`READ_EVERY_S`, woken early only if the ring is half full. Once a read
+times a second while it traces, so the exporter is not woken by every ship:
+while records keep coming it reads the ring every :data:`READ_EVERY_S`,
+woken early only if the ring is half full. Once a read
 finds nothing it sleeps until the engine ships again: the engine writes a byte
 to this process's stdin after shipping records if it finds this process asleep
 (the ring's ``sleeping`` counter). The first frame holds the settings

@@ -5,11 +5,12 @@ On the engine's hot path a span is a plain tuple (the fields of
 and span ids, start and end in ns since the epoch, the request id, and the
 values of the template's keys. No OpenTelemetry object and no attribute dict
 is made there: building and encoding SDK spans is most of what tracing costs
-(docs/performance.md, "Tracing every request"). A template (span name, fixed attributes, the names of the
-values) is registered once at start-up and shipped once. Records become SDK
-``ReadableSpan`` objects later, in the exporter process (or in-process when a
-test or an embedder supplies its own exporter), with their real timings and
-the ids the engine chose, so parents and links stay exact.
+(docs/performance.md, "Tracing every request"). A template (span name, fixed
+attributes, the names of the values) is registered once at start-up and
+shipped once. Records become SDK ``ReadableSpan`` objects later, in the
+exporter process (or in-process when a test or an embedder supplies its own
+exporter), with their real timings and the ids the engine chose, so parents
+and links stay exact.
 """
 
 from __future__ import annotations
