@@ -30,16 +30,13 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvcompose.command_line import Commands, EXIT_FAILURE, refuse
+from kvcompose.exposition import OPENMETRICS, Exposition, ExpositionError, quantile, read
 
-OPENMETRICS = "application/openmetrics-text"
-PREFIX = "kvcompose_"
-_OUR_COMMENTS = tuple(f"# {kind} {PREFIX}" for kind in ("HELP", "TYPE", "UNIT"))
 DIRECTIONS = ("load", "save")
 STATES = {0: "closed", 1: "open", 2: "half-open", 3: "stuck"}
 RECENT_S = 300.0  # how old an exemplar may be to count as a recent transfer
@@ -76,37 +73,16 @@ def metrics_url(url: str) -> str:
 
 
 @dataclass(frozen=True)
-class Scrape:
-    """One read of the exposition: every sample by name, and when it was read."""
+class Scrape(Exposition):
+    """One read of a server's exposition, and when it was read."""
 
     at: float  # time.monotonic()
-    samples: dict[str, list[Any]]
-
-    def series(self, name: str, **labels: str) -> list[Any]:
-        return [s for s in self.samples.get(name, ()) if all(s.labels.get(k) == v for k, v in labels.items())]
-
-    def total(self, name: str, **labels: str) -> float:
-        return sum(sample.value for sample in self.series(name, **labels))
 
 
 def parse(text: str, content_type: str, at: float) -> Scrape:
-    """kvcompose's samples in an exposition, OpenMetrics (with exemplars) or the classic text format.
-
-    Only kvcompose's families are parsed: the OpenMetrics parser refuses a whole
-    exposition for one family it finds fault with, such as a vLLM counter whose
-    name ends in ``_total`` (``vllm:kv_offload_total_bytes_total``).
-    """
-    openmetrics = content_type.startswith(OPENMETRICS)
-    if openmetrics:
-        from prometheus_client.openmetrics.parser import text_string_to_metric_families
-    else:
-        from prometheus_client.parser import text_string_to_metric_families  # type: ignore[assignment]
-    ours = [line for line in text.splitlines() if line.startswith(PREFIX) or line.startswith(_OUR_COMMENTS)]
-    samples: dict[str, list[Any]] = defaultdict(list)
-    for family in text_string_to_metric_families("\n".join([*ours, "# EOF"] if openmetrics else ours) + "\n"):
-        for sample in family.samples:
-            samples[sample.name].append(sample)
-    return Scrape(at, dict(samples))
+    """kvcompose's samples in an exposition served as ``content_type``: OpenMetrics (with exemplars) or the
+    classic text format."""
+    return Scrape(read(text, openmetrics=content_type.startswith(OPENMETRICS)).samples, at)
 
 
 def scrape(url: str, timeout_s: float = 5.0) -> Scrape:
@@ -121,8 +97,8 @@ def scrape(url: str, timeout_s: float = 5.0) -> Scrape:
         raise ScrapeError(f"{url}: cannot read: {reason}") from None
     try:
         return parse(text, content_type, time.monotonic())
-    except ValueError as error:
-        raise ScrapeError(f"{url}: not a Prometheus exposition: {str(error)[:120]}") from None
+    except ExpositionError as error:
+        raise ScrapeError(f"{url}: {error}") from None
 
 
 @dataclass
@@ -197,25 +173,6 @@ def _rate(before: Scrape, now: Scrape, name: str, labels: dict[str, str], second
         return None
     current, previous = now.total(name, **labels), before.total(name, **labels)
     return (current - previous if current >= previous else current) / seconds  # a restart resets counters
-
-
-def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
-    """The ``q`` quantile of cumulative ``(upper bound, count)`` buckets, as histogram_quantile computes it:
-    linear inside the bucket that holds it, the highest finite bound when it falls in the +Inf bucket."""
-    ordered = sorted(buckets)
-    if not ordered or ordered[-1][1] <= 0:
-        return None
-    rank = q * ordered[-1][1]
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in ordered:
-        if count >= rank:
-            if math.isinf(bound):
-                return lower_bound
-            if count == lower_count:
-                return bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
-        lower_bound, lower_count = bound, count
-    return lower_bound
 
 
 def _quantiles(bucket_samples: list[Any]) -> tuple[float | None, ...]:

@@ -136,14 +136,9 @@ def _wait_for_health(url: str, timeout_s: float = 30) -> None:
 
 def _total(metrics: str, name: str, **labels: str) -> float:
     """Sum of the samples called ``name`` whose labels include ``labels``."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from kvcompose.exposition import read
 
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(metrics)
-        for sample in family.samples
-        if sample.name == name and labels.items() <= sample.labels.items()
-    )
+    return read(metrics, ("kvcompose_", "vllm:")).total(name, **labels)
 
 
 def _settled(server: Server, done: Callable[[str], bool], timeout_s: float = SETTLE_S) -> str:

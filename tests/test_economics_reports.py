@@ -20,7 +20,8 @@ from kvcompose.metrics.stats import ECONOMICS_KEY, KVComposeStats
 def _series() -> tuple[EconomicsSeries, Callable[[str], dict[tuple[tuple[str, str], ...], float]]]:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
     from prometheus_client.exposition import generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvcompose import exposition
 
     registry = CollectorRegistry()
     types: dict[type, Any] = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
@@ -29,8 +30,7 @@ def _series() -> tuple[EconomicsSeries, Callable[[str], dict[tuple[tuple[str, st
     def read(name: str) -> dict[tuple[tuple[str, str], ...], float]:
         return {tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine"))):
                 sample.value
-                for family in text_string_to_metric_families(generate_latest(registry).decode())
-                for sample in family.samples if sample.name == name}
+                for sample in exposition.read(generate_latest(registry).decode()).series(name)}
 
     return series, read
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
-from prometheus_client.parser import text_string_to_metric_families
 
+from kvcompose.exposition import read
 from kvcompose.metrics.histograms import TRACE_ID_LABEL, cell_adder
 
 BOUNDS = (0.001, 0.01, 0.1)
@@ -24,9 +24,9 @@ def _series(registry: CollectorRegistry) -> Any:
 
 def _samples(registry: CollectorRegistry) -> dict[str, float]:
     """Every sample's value by name and bound, but the series' creation times."""
-    return {sample.name + sample.labels.get("le", ""): sample.value
-            for family in text_string_to_metric_families(generate_latest(registry).decode())
-            for sample in family.samples if not sample.name.endswith("_created")}
+    return {name + sample.labels.get("le", ""): sample.value
+            for name, samples in read(generate_latest(registry).decode()).samples.items()
+            for sample in samples if not name.endswith("_created")}
 
 
 def test_cells_export_their_calls_bucket_by_bucket_and_their_exact_sum() -> None:

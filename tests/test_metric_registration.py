@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvcompose.exposition import read
+
 
 def _pipeline_config(vllm_config_with: Callable, name: str, children: list[str]) -> Any:
     pipeline = {"version": 1, "name": name, "children": [
@@ -22,25 +24,12 @@ def _pipeline_config(vllm_config_with: Callable, name: str, children: list[str])
 
 
 def _info_children(exposition: str) -> set[tuple[str, str]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {
-        (sample.labels["pipeline"], sample.labels["connector"])
-        for family in text_string_to_metric_families(exposition)
-        for sample in family.samples
-        if sample.name == "kvcompose_pipeline_info"
-    }
+    return {(sample.labels["pipeline"], sample.labels["connector"])
+            for sample in read(exposition).series("kvcompose_pipeline_info")}
 
 
 def _lookups(exposition: str, child: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(exposition)
-        for sample in family.samples
-        if sample.name == "kvcompose_lookups_total" and sample.labels["connector"] == child
-    )
+    return read(exposition).total("kvcompose_lookups_total", connector=child)
 
 
 def _payload(child: str, hits: int) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from kvcompose.config import load_pipeline
+from kvcompose.exposition import read
 from kvcompose.render import kv_transfer_config
 from kvcompose.testing.tiny_model import prompt_words
 
@@ -58,17 +59,15 @@ def multi_api_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 def _samples(exposition: str) -> list[Any]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return [sample for family in text_string_to_metric_families(exposition) for sample in family.samples]
+    """kvcompose's samples."""
+    return [sample for samples in read(exposition).samples.values() for sample in samples]
 
 
 def _lookups(exposition: str) -> dict[tuple[str, str], float]:
     """(child, result) -> count."""
     counts: dict[tuple[str, str], float] = defaultdict(float)
-    for sample in _samples(exposition):
-        if sample.name == "kvcompose_lookups_total":
-            counts[(sample.labels["connector"], sample.labels["result"])] += sample.value
+    for sample in read(exposition).series("kvcompose_lookups_total"):
+        counts[(sample.labels["connector"], sample.labels["result"])] += sample.value
     return dict(counts)
 
 
@@ -104,7 +103,7 @@ def _per_process_expositions(directory: Path, scratch: Path) -> dict[str, str]:
 
 
 def _external_hits(exposition: str) -> float:
-    return sum(s.value for s in _samples(exposition) if s.name == "vllm:external_prefix_cache_hits_total")
+    return read(exposition, ("vllm:",)).total("vllm:external_prefix_cache_hits_total")
 
 
 def test_series_add_up_across_api_server_processes(multi_api_server: Any, tmp_path: Path) -> None:
@@ -134,7 +133,7 @@ def test_series_add_up_across_api_server_processes(multi_api_server: Any, tmp_pa
 
     wait(settled, 30, lambda: server.metrics())
     exposition = server.metrics()
-    ours = [s for s in _samples(exposition) if s.name.startswith("kvcompose_")]
+    ours = _samples(exposition)
     assert ours and not [s for s in ours if "pid" in s.labels]  # nothing of ours is split per process
 
     # The pipeline's children, once each: the gauge's multiprocess_mode merged the processes' values.

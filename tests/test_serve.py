@@ -85,15 +85,13 @@ def _settled_summary(server: Any, done: Any = None) -> Any:
 
 
 def test_pipeline_info_and_promtool_lint(served_pipeline: Any) -> None:
-    from prometheus_client.parser import text_string_to_metric_families
+    from kvcompose.exposition import read
 
     served_pipeline.complete(PROMPT)
     metrics = served_pipeline.metrics()
     info = {
         tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine"))): sample.value
-        for family in text_string_to_metric_families(metrics)
-        for sample in family.samples
-        if sample.name == "kvcompose_pipeline_info"
+        for sample in read(metrics).series("kvcompose_pipeline_info")
     }
     assert info == {
         (("connector", "hot"), ("connector_class", "ExampleConnector"), ("pipeline", "hot-then-cold"),

@@ -19,7 +19,6 @@ from kvcompose.metrics import recorder as recorder_module
 from kvcompose.metrics.recorder import PipelineRecorder
 from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
 from kvcompose.metrics.telemetry import DROP_REASONS
-from kvcompose.metrics.summary import quantile
 from kvcompose.metrics import table as table_module
 from kvcompose.metrics.table import COUNTERS, OPS, CallTable
 from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferTable
@@ -202,12 +201,6 @@ def test_a_timed_call_counts_as_many_calls_as_it_stands_for() -> None:
     recorder.timed(1, 0.05, 16)
     recorder.timed(1, 0.05, 3)
     assert recorder.take().cells == {1: [16, pytest.approx(0.032)], 4 + 2: [19, pytest.approx(0.95)]}
-
-
-def test_quantile_interpolates_like_histogram_quantile() -> None:
-    assert quantile(BOUNDS, [0, 10, 0, 0], 0.5) == pytest.approx(0.0055)
-    assert quantile(BOUNDS, [0, 0, 0, 3], 0.99) == 0.1
-    assert quantile(BOUNDS, [0, 0, 0, 0], 0.5) is None
 
 
 class Failing(Exception):

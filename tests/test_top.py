@@ -27,7 +27,6 @@ from kvcompose.top import (
     frame,
     metrics_url,
     parse,
-    quantile,
 )
 
 from .server_support import free_port
@@ -142,18 +141,6 @@ def test_a_server_without_kvcompose_series_is_an_error() -> None:
     now = parse(openmetrics_text(registry).decode(), OPENMETRICS, at=1.0)
     with pytest.raises(ScrapeError, match="no kvcompose series"):
         frame(now, now)
-
-
-@pytest.mark.parametrize(("q", "buckets", "expected"), [
-    (0.5, [(0.001, 0), (0.01, 50), (0.1, 100), (float("inf"), 100)], 0.01),
-    (0.99, [(0.001, 0), (0.01, 50), (0.1, 100), (float("inf"), 100)], 0.01 + 0.09 * 49 / 50),
-    (0.5, [(0.001, 10), (float("inf"), 10)], 0.0005),
-    (0.99, [(0.001, 0), (0.01, 0), (float("inf"), 4)], 0.01),  # above every bound: the highest finite one
-    (0.5, [(0.001, 0), (float("inf"), 0)], None),
-])
-def test_quantile_reads_buckets_as_histogram_quantile_does(q: float, buckets: list[tuple[float, float]],
-                                                           expected: float | None) -> None:
-    assert quantile(q, buckets) == (None if expected is None else pytest.approx(expected))
 
 
 @pytest.mark.parametrize(("url", "expected"), [

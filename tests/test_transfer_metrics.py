@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 
 from kvcompose.config import DEFAULT_TRANSFER_BUCKETS
+from kvcompose.exposition import read
 from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
 from kvcompose.metrics.telemetry import DROP_REASONS, TelemetryCounters
 from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferRecorder, TransferTable
@@ -217,13 +218,12 @@ def _registry_and_types() -> tuple[Any, dict[type, Any]]:
 def _samples(registry: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], Any]:
     """(name, labels without model_name and engine) -> sample, from the OpenMetrics exposition."""
     from prometheus_client.openmetrics.exposition import generate_latest
-    from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
     samples = {}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        for sample in family.samples:
+    for name, named in read(generate_latest(registry).decode()).samples.items():
+        for sample in named:
             labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine")))
-            samples[(sample.name, labels)] = sample
+            samples[(name, labels)] = sample
     return samples
 
 
@@ -348,13 +348,11 @@ def test_in_flight_adds_up_across_api_server_processes(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr[-3000:]
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.multiprocess import MultiProcessCollector
-    from prometheus_client.parser import text_string_to_metric_families
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(tmp_path))
-    in_flight = [sample for family in text_string_to_metric_families(generate_latest(registry).decode())
-                 for sample in family.samples if sample.name == "kvcompose_transfers_in_flight"
-                 and sample.labels["connector"] == "hot" and sample.labels["direction"] == "load"]
+    in_flight = read(generate_latest(registry).decode()).series("kvcompose_transfers_in_flight", connector="hot",
+                                                                direction="load")
     assert [(sample.value, "pid" in sample.labels) for sample in in_flight] == [(2.0, False)]
 
 

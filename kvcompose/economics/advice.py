@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from kvcompose.economics.curve import Curve
 from kvcompose.economics.observations import DIRECTIONS, Observations, TierAmounts
 from kvcompose.economics.sizes import Reach, blocks_to_gib
-from kvcompose.top import quantile
+from kvcompose.exposition import quantile
 
 KNEE = 0.9  # the share of the curve's ceiling that marks where it flattens
 SHRINK_PAST_KNEE = 2.0  # a reach ending this many times past the knee is worth shrinking

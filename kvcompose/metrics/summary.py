@@ -3,27 +3,9 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
-
-def quantile(bounds: Sequence[float], counts: Sequence[int], q: float) -> float | None:
-    """Prometheus-style ``histogram_quantile`` over per-bucket counts: linear within the bucket."""
-    total = sum(counts)
-    if total == 0:
-        return None
-    rank = q * total
-    seen = 0
-    for index, count in enumerate(counts):
-        if seen + count >= rank and count:
-            if index == len(bounds):  # +Inf bucket: the highest finite bound
-                return bounds[-1]
-            lower = bounds[index - 1] if index else 0.0
-            return lower + (bounds[index] - lower) * (rank - seen) / count
-        seen += count
-    return bounds[-1]
+from kvcompose.exposition import quantile, read
 
 
 @dataclass
@@ -38,10 +20,7 @@ class ChildSummary:
     latency_buckets: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(dict))
 
     def latency(self, op: str, q: float) -> float | None:
-        bounds = sorted(self.latency_buckets[op])
-        cumulative = [self.latency_buckets[op][b] for b in bounds]
-        counts = [int(b - a) for a, b in zip([0.0, *cumulative], cumulative, strict=False)]
-        return quantile([b for b in bounds if b != float("inf")], counts, q)
+        return quantile(q, self.latency_buckets[op].items())
 
     def calls(self, op: str) -> int:
         return int(max(self.latency_buckets[op].values(), default=0))
@@ -56,10 +35,10 @@ SUMMARIZED = frozenset({
 def summarize(exposition: str) -> dict[str, ChildSummary]:
     """Sum kvcompose's series over engines and models, per child (``connector``)."""
     children: dict[str, ChildSummary] = defaultdict(ChildSummary)
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
+    for name, samples in read(exposition).samples.items():
+        for sample in samples:
             child = sample.labels.get("connector")
-            if child is None or sample.name not in SUMMARIZED:  # connector="gpu" is a capacity, not a child
+            if child is None or name not in SUMMARIZED:  # connector="gpu" is a capacity, not a child
                 continue
             row = children[child]
             if sample.name == "kvcompose_lookups_total":
