@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvcompose.dashboard import queries as q
+import kvcompose.dashboard.queries as q
 from kvcompose.dashboard.model import PanelSpec, State
 from kvcompose.metrics.running_calls import STUCK
 
@@ -37,9 +37,7 @@ OVERVIEW: tuple[PanelSpec, ...] = (
 CHILD_CALLS: tuple[PanelSpec, ...] = (
     PanelSpec(
         "Call latency p50 / p90 / p99",
-        "Latency of kvcompose's calls into the child, by operation (the $op variable filters them): a sample, "
-        "one call in metrics.sample_every (32), each standing for the calls before it; a call the watchdog saw "
-        "running long is always in, with its duration.",
+        "Latency of every call kvcompose made into the child, by operation (the $op variable filters them).",
         "s", q.LATENCY, min=0,
     ),
     PanelSpec("Call rate", "Calls into the child per second, by operation.", "ops", (q.CALL_RATE,), min=0),
