@@ -49,19 +49,17 @@ def test_an_invalid_pipeline_starts_nothing(tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(starter(tmp_path).read_text().replace("${KVCOMPOSE_OFFLOAD_BYTES:-1073741824}", "abc"))
     port = free_port()
-    # Run as the CLI runs, then look at what the process imported: vLLM takes seconds to import.
+    # Run as the CLI runs, then look at what the process imported: refused before vLLM (seconds to import) or
+    # torch was, so nothing of the server was started; and nothing listens on its port.
     code = ("import sys, runpy; sys.argv = ['kvcompose', 'serve', *sys.argv[1:]]\n"
             "try:\n    runpy.run_module('kvcompose', run_name='__main__')\n"
             "finally:\n    print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))\n")
-    started = time.monotonic()
     result = subprocess.run([sys.executable, "-c", code, str(path), "some-model", "--port", str(port)],
                             capture_output=True, text=True, timeout=60)
-    elapsed = time.monotonic() - started
     assert (result.returncode, result.stdout) == (2, "[]\n"), result.stderr
     assert result.stderr.splitlines() == [
         f"{path}:27: children[0].config.cpu_bytes_to_use: 'abc' is not a positive integer: "
         "CPUEngineOffloadingSpec reads it with int()"]
-    assert elapsed < 1.0, f"{elapsed:.2f} s"
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
         pass
 

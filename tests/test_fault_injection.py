@@ -10,6 +10,7 @@ import contextlib
 import inspect
 import logging
 import logging.handlers
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -224,20 +225,25 @@ def test_raise_rate_follows_the_probability_and_the_seed(vllm_config_with: Calla
     assert len(recording.CALL_LOGS["rate/a"]) == 1000 - sum(first)
 
 
-def test_latency_is_added_before_the_call(vllm_config_with: Callable) -> None:
+def test_latency_is_added_before_the_call(vllm_config_with: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
     slow = _build(vllm_config_with, "WORKER", {"inner": _recording_inner("slow"), "faults": {
         "latency": {"wait_for_save": {"probability": 1.0, "seconds": 0.05}}}})
     never = _build(vllm_config_with, "WORKER", {"inner": _recording_inner("never"), "faults": {
         "latency": {"wait_for_save": {"probability": 0.0, "seconds": 5.0}}}})
+    slept: list[tuple[float, int]] = []  # this thread's sleeps: seconds, and the calls the inner ones had by then
+    real_sleep = time.sleep
 
-    def elapsed(connector: Any) -> float:
-        start = time.perf_counter()
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread():
+            slept.append((seconds, sum(len(recording.CALL_LOGS.get(log, ())) for log in ("slow", "never"))))
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    for connector in (slow, never):
         for _ in range(4):
             connector.wait_for_save()
-        return time.perf_counter() - start
-
-    assert elapsed(slow) >= 0.2
-    assert elapsed(never) < 1.0
+    assert slept == [(0.05, calls) for calls in range(4)]  # each slow call slept first; no never call slept
     assert len(recording.CALL_LOGS["slow"]) == len(recording.CALL_LOGS["never"]) == 4
 
 
