@@ -64,15 +64,12 @@ def multi_connector(children: int, side: str) -> KVConnectorBase_V1:
     return MultiConnector(config, _role(side), None)
 
 
-def pipeline(children: int, metrics: bool = True, tracing: str | None = None, per_layer: bool = False,
-             sample_every: int | None = None) -> dict:
-    """A kvcompose pipeline of no-op children; ``tracing`` is a granularity (spans made, none exported);
-    ``sample_every``: the pipeline's own (``metrics.sample_every``) unless given."""
-    sampling = {} if sample_every is None else {"sample_every": sample_every}
+def pipeline(children: int, metrics: bool = True, tracing: str | None = None, per_layer: bool = False) -> dict:
+    """A kvcompose pipeline of no-op children; ``tracing`` is a granularity (spans made, none exported)."""
     return {
         "version": 1,
         "name": "bench",
-        "metrics": {"enabled": metrics, "per_layer": per_layer, **sampling},
+        "metrics": {"enabled": metrics, "per_layer": per_layer},
         "tracing": {"enabled": tracing is not None, "exporter": "none", "granularity": tracing or "request"},
         "logging": {"level": "WARNING"},
         "children": [{"name": f"c{index}", "connector": "NoopConnector", "module_path": NOOP_MODULE,

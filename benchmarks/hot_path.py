@@ -8,8 +8,8 @@ Subjects, all over no-op children (see ``benchmarks/connectors.py``):
   how far two identical subjects read apart in this row of this run, so a
   kvcompose ratio that close to 1.0 is within the run's noise;
 - ``kvc_bare``: KVComposeConnector, metrics and tracing off;
-- ``kvc_off``: KVComposeConnector as shipped: metrics on (one call or step in
-  ``metrics.sample_every`` timed, every call counted), tracing off;
+- ``kvc_off``: KVComposeConnector as shipped: metrics on (every call timed),
+  tracing off;
 - ``kvc_request`` / ``kvc_step`` / ``kvc_layer``: metrics on, tracing at that
   granularity. Spans are recorded with exporter ``none``, so the figures are
   the cost of making them; exporting is measured end to end.

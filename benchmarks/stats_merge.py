@@ -24,7 +24,7 @@ LAYERS = 2  # the tiny model's
 
 
 def _stats_after(worker: Any, steps: int) -> Any:
-    from kvcompose.connectors.metadata import KVComposeMetadata
+    from kvcompose.wire.metadata import KVComposeMetadata
 
     for _ in range(steps):
         worker.bind_connector_metadata(KVComposeMetadata(per_child=(None,) * len(worker.children)))
@@ -75,7 +75,7 @@ def prometheus_metrics(bench_pipeline: dict[str, Any]) -> Any:
 
 def measure(workers: int = WORKERS, children: int = CHILDREN, heavy_steps: int = 1000, rounds: int = 5,
             calls: int | None = None) -> dict[str, Any]:
-    bench_pipeline = pipeline(children, per_layer=True, sample_every=1)
+    bench_pipeline = pipeline(children, per_layer=True)
     worker = kvcompose_connector(bench_pipeline, "worker", workers=workers)
     payloads = [_stats_after(worker, 1) for _ in range(workers)]
     # Timed with to_dict: vLLM turns the merged stats into a dict right after, and that is where a merge

@@ -22,8 +22,8 @@ REQUESTS_PER_STEP = 8
 
 def step_metadata(children: int, step: int) -> Any:
     """A step's metadata: each request loaded by the first child and saved by every child, traced."""
-    from kvcompose.connectors.metadata import KVComposeMetadata, LoadPlan
-    from kvcompose.tracing.pipeline import TracedRequest
+    from kvcompose.wire.metadata import KVComposeMetadata, LoadPlan
+    from kvcompose.wire.metadata import TracedRequest
 
     ids = [f"s{step}-r{index}" for index in range(REQUESTS_PER_STEP)]
     return KVComposeMetadata(

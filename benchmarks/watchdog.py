@@ -54,7 +54,7 @@ def _cpu_per_look_us(watchdog: Any) -> float:
 
 
 def measure() -> dict[str, Any]:
-    from kvcompose.instrumentation.watchdog import POLL_S, watchdog
+    from kvcompose.connectors.watchdog import POLL_S, watchdog
     from kvcompose.testing.recording import GATES, Gate
 
     composite = kvcompose_connector(_pipeline(), "worker")

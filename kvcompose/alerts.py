@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvcompose.metrics.running_calls import STUCK
+from kvcompose.operations import DIRECTIONS
 
 RUNBOOK_URL_BASE = "https://github.com/kvcompose/kvcompose/blob/main/docs/runbooks"
 SEVERITIES = ("critical", "warning", "info")
@@ -131,7 +132,6 @@ def _child_errors(p: Mapping[str, Value]) -> Rule:
 
 
 _COPY_SECONDS = "kvcompose_transfer_copy_seconds"
-_DIRECTIONS = ("load", "save")
 _TRANSFER_IMPACT = {
     "load": "Requests that load from this child wait for it before their first token.",
     "save": "Slow synchronous saves stretch every engine step; slow asynchronous saves keep finished "
@@ -150,8 +150,8 @@ def _transfer_slow(p: Mapping[str, Value]) -> Rule:
     # One rule for both directions (each with its threshold): two rules of one name and labels are duplicates.
     slow = "\n  or\n".join(
         f'    histogram_quantile(0.99, rate({_COPY_SECONDS}_bucket{{direction="{direction}"}}[10m]))'
-        f" > {number(p[f'{direction}_p99_seconds'])}" for direction in _DIRECTIONS)
-    thresholds = _by_direction({d: number(p[f"{d}_p99_seconds"]) for d in _DIRECTIONS})
+        f" > {number(p[f'{direction}_p99_seconds'])}" for direction in DIRECTIONS)
+    thresholds = _by_direction({d: number(p[f"{d}_p99_seconds"]) for d in DIRECTIONS})
     return Rule(
         f"(\n{slow}\n)\nand rate({_COPY_SECONDS}_count[10m]) > {number(p['min_rate'])}",
         "kvcompose {{ $labels.direction }} copies by {{ $labels.connector }} take {{ $value | humanizeDuration }} "

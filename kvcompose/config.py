@@ -40,6 +40,13 @@ DEFAULT_TRANSFER_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 
 
+# Keys earlier releases accepted, and what a pipeline that still has one should do.
+REMOVED_KEYS: dict[tuple[str, ...], str] = {
+    ("metrics", "sample_every"): "removed: every call into a child is timed now, so there is no sampling to set; "
+    "delete this key",
+}
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -144,11 +151,6 @@ class MetricsSection(_Section):
         False,
         description="Also record the latency of save_kv_layer and wait_for_layer_load (called once per layer per "
         "step). Off, their time still counts as engine wait; the step-level calls are timed either way.",
-    )
-    sample_every: Annotated[int, Field(ge=1)] = Field(
-        32,
-        description="Time one call (scheduler) or step (worker) in this many, and the next one after the engine was "
-        "idle; a worker step that moves KV is always timed. Every call is counted either way. 1 times every call.",
     )
     latency_buckets: tuple[float, ...] = Field(
         DEFAULT_LATENCY_BUCKETS, description="Upper bounds (seconds) of the latency histogram buckets."
@@ -331,6 +333,8 @@ def validation_problems(error: ValidationError, model: type[BaseModel] | None = 
 
 def _pydantic_message(error: Mapping[str, Any], model: type[BaseModel] | None) -> str:
     if error["type"] == "extra_forbidden":
+        if (removed := REMOVED_KEYS.get(tuple(str(part) for part in error["loc"]))) is not None:
+            return removed
         known = _keys_at(model, error["loc"][:-1]) if model is not None else ()
         if suggestion := did_you_mean(str(error["loc"][-1]), known):
             return f"unknown key; did you mean {suggestion!r}?"

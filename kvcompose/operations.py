@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from kvcompose.tracing import attributes as attr
+from kvcompose import names as attr
 
 
 class Failed(enum.Enum):
@@ -25,6 +25,28 @@ class Failed(enum.Enum):
 
 
 FAILED: Final = Failed.FAILED
+
+CIRCUIT_OPEN = "kvcompose.circuit_open"  # error.type of a call skipped while the circuit is open
+
+
+class CircuitOpen(Exception):
+    """Raised in place of a call skipped while the child's circuit is open; isolation answers it."""
+
+
+# Spans and logs name a failure by its class's qualified name: make that the documented error.type.
+CircuitOpen.__module__, CircuitOpen.__qualname__ = CIRCUIT_OPEN.split(".")
+
+# The two ways KV moves between the engine and a child: declared once, read by transfers, metrics, tracing and
+# the economics.
+Direction = Literal["load", "save"]
+DIRECTIONS: Final[tuple[Direction, ...]] = ("load", "save")
+# How a transfer ended.
+Outcome = Literal["ok", "failed", "aborted"]
+
+# A loader's answer to a lookup: (tokens it has, whether it loads them asynchronously).
+LookupAnswer = tuple[int, bool]
+# A request's last lookup round: one answer per loader, in pipeline order (FAILED_LOOKUP where its lookup failed).
+LookupRound = list[LookupAnswer]
 # What a failed lookup answers: no tokens. Made at run time, so that no answer a child returns is this
 # very object: ``answer is FAILED_LOOKUP`` tells a failure from a miss the child reported.
 FAILED_LOOKUP: Final[tuple[int, bool]] = tuple([0, False])  # type: ignore[assignment]
@@ -78,7 +100,7 @@ class Operation:
     # over the operation must not pair its calls with the children by position.)
     skip_inherited: bool = False
     # The forward pass waits for this call to return: its time is engine wait, of this direction.
-    blocking: Literal["load", "save"] | None = None
+    blocking: Direction | None = None
     # At request granularity a traced request's call makes a span only if it fails or is slow, unless this is set.
     always_traced: bool = False
     # Whether a returned answer settles the call, so that its earlier failures are forgotten; None: every answer

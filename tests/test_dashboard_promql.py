@@ -382,7 +382,8 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     for index, child in enumerate(specs):  # a call of every kind that feeds a kvcompose series
         for operation in ("get_num_new_matched_tokens", "update_state_after_alloc", "get_block_ids_with_load_errors",
                           "start_load_kv"):
-            recorder.timed(recorder.slot(index, OPERATIONS[operation].label), 0.0001, 2)
+            for _ in range(2):
+                recorder.timed(recorder.slot(index, OPERATIONS[operation].label), 0.0001)
         for tokens in (16, 0):  # a hit and a miss
             recorder.request_admitted([(tokens, False)], [index], index if tokens else None, tokens)
         recorder.count_load_errors(child, 1, {1})

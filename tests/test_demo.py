@@ -149,6 +149,21 @@ def test_the_repeat_is_loaded_from_the_offload_tier_as_vllm_counts_it(demo: Demo
     assert math.isclose(seconds(copy), loaded_copy_s, rel_tol=5e-3), (copy, loaded_copy_s)
 
 
+def test_the_saved_metrics_show_the_repeat_as_reuse(demo: DemoRun) -> None:
+    """The engine is idle when the demo saves its metrics: the hit ratio by size must already count the
+    repeat (the prompt's blocks referenced twice: half the references hit in a cache as large as the
+    prompt), and the offload tier, which served it, wasted less than all it was written."""
+    from kvcompose import exposition
+
+    metrics = exposition.read(demo.metrics())
+    curve = {int(sample.labels["size_blocks"]): sample.value
+             for sample in metrics.series("kvcompose_cache_size_hit_ratio")}
+    assert curve and max(curve.values()) == pytest.approx(0.5, abs=0.05), curve
+    (waste,) = [sample.value for sample in metrics.series("kvcompose_write_waste_ratio")
+                if sample.labels["connector"] == "offload"]
+    assert waste < 1.0
+
+
 def test_tier_rows_agree_with_vllms_offload_counters(demo: DemoRun) -> None:
     rows = table(demo)
     assert set(rows) == {(tier, direction) for tier in ("offload", "disk") for direction in ("load", "save")}, \

@@ -403,3 +403,78 @@ def test_a_child_keeping_the_base_classs_constant_answer_is_not_asked(
     # the others).
     assert asked_by_multi["get_kv_connector_stats"] == 2 * len(scripts)
     assert asked == {}
+
+
+@pytest.mark.parametrize("role_name", ["SCHEDULER", "WORKER"])
+def test_one_instance_asked_every_operation_of_both_roles_raises_only_where_multiconnector_does(
+    vllm_config_with: Callable, exporter: Any, role_name: str,
+) -> None:
+    """vLLM's own MultiConnector tests ask one instance the operations of both roles (a worker-side connector's
+    ``build_connector_worker_meta`` fed to its own ``update_connector_output``). The composite, metrics and every
+    request traced at step granularity, must answer each where MultiConnector answers, whatever its role."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvcompose.connectors import KVComposeConnector
+
+    from .connector_support import COMPOSITE, scheduler_output
+
+    role = KVConnectorRole[role_name]
+    scripts = {"a": {"matches": {"r1": [[16, False]]}, "worker_meta": True, "finished_recving": [["r1"]]},
+               "b": {"worker_meta": True, "handshake": "b"}}
+
+    def child_config(kind: str, name: str) -> dict[str, Any]:
+        key = f"both-roles/{kind}/{name}"
+        recording.CALL_LOGS.pop(key, None)
+        return {"log": key, "script": scripts[name]}
+
+    multi = MultiConnector(vllm_config_with({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                                             "kv_connector_extra_config": {"connectors": [
+                                                 {"kv_connector": RECORDING["connector"],
+                                                  "kv_connector_module_path": RECORDING["module_path"],
+                                                  "kv_role": "kv_both", "kv_connector_extra_config":
+                                                      child_config("multi", name)} for name in scripts]}}),
+                           role, None)
+    pipeline = {"version": 1, "name": "both", "tracing": {"enabled": True, "sample_ratio": 1.0,
+                                                          "granularity": "step"},
+                "children": [{"name": name, **RECORDING, "config": child_config("kvcompose", name)}
+                             for name in scripts]}
+    composite = KVComposeConnector(vllm_config_with({**COMPOSITE, "kv_connector_extra_config": {"pipeline": pipeline}}),
+                                   role, None)
+    assert composite._instrumentation is not None and composite.pipeline.metrics.enabled
+
+    def every_operation(connector: Any) -> list[Any]:
+        request = _request("r1")
+        outcomes: list[Any] = []
+
+        def ask(name: str, *args: Any) -> None:
+            try:
+                answer = getattr(connector, name)(*args)
+                outcomes.append((name, "answered", list(answer) if name == "take_events" else None))
+            except Exception as error:
+                outcomes.append((name, "raised", type(error).__name__))
+
+        ask("get_num_new_matched_tokens", request, 0)
+        ask("update_state_after_alloc", request, _blocks(1, 2), 16)
+        metadata = connector.build_connector_meta(scheduler_output(new=[request], blocks=[1, 2]))
+        ask("bind_connector_metadata", metadata)
+        ask("start_load_kv", None)
+        ask("wait_for_layer_load", "layer.0")
+        ask("save_kv_layer", "layer.0", None, None)
+        ask("wait_for_save")
+        ask("get_finished", set())
+        ask("get_block_ids_with_load_errors")
+        worker_meta = connector.build_connector_worker_meta()
+        ask("update_connector_output", KVConnectorOutput(kv_connector_worker_meta=worker_meta))
+        ask("clear_connector_metadata")
+        ask("get_handshake_metadata")
+        ask("request_finished", request, [1, 2])
+        ask("take_events")
+        ask("get_kv_connector_stats")
+        return outcomes
+
+    expected = every_operation(multi)
+    answered = every_operation(composite)
+    assert [outcome[:2] for outcome in answered] == [outcome[:2] for outcome in expected]
+    assert not [outcome for outcome in answered if outcome[1] == "raised"]

@@ -81,7 +81,7 @@ def test_every_span_name_the_code_emits_is_documented(vllm_config_with: Callable
     from kvcompose.config import load_pipeline
     from kvcompose.connectors.children import child_specs
     from kvcompose.operations import OPERATIONS
-    from kvcompose.tracing import attributes as attr
+    from kvcompose import names as attr
     from kvcompose.tracing.pipeline import PipelineTracer, SpanContextIds
     from kvcompose.tracing.sampling import sampling_for
     from kvcompose.tracing.shipping import InProcessShipper

@@ -193,3 +193,28 @@ def test_the_gpu_cache_serves_prefix_hits_only_with_prefix_caching_on(prefix_cac
     assert report.reaches == {"offload": [gpu, gpu + 100]}  # loaders only
     assert report.write_waste == {"offload": 1.0 if prefix_caching else 0.0}
     assert (300 in dict(report.curve)) is prefix_caching  # the GPU cache's size is read only where it serves hits
+
+
+def test_an_engine_going_idle_reports_its_latest_curve_at_once(vllm_config_with: Callable) -> None:
+    """`make demo`'s traffic: a prompt, then the same prompt again, then nothing. An idle engine takes no stats,
+    so the curve must go out as it goes idle after the repeat, however soon after the first report that is:
+    throttled, the demo's metrics read a hit ratio of 0 at every size for a prompt it had just loaded."""
+    from kvcompose.config import load_pipeline
+    from kvcompose.connectors.children import child_specs
+    from kvcompose.instrumentation import stream_sampler
+
+    pipeline = {"version": 1, "name": "demo", "children": [{"name": "disk", "connector": "ExampleConnector",
+                                                           "config": {"shared_storage_path": "/nonexistent"}}]}
+    config = vllm_config_with({"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
+                               "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
+    config.cache_config.num_gpu_blocks = 300
+    sampler = stream_sampler(child_specs(config, load_pipeline(pipeline)), (0,), config, None)
+    prompt = list(range(16 * 4))
+    sampler.admitted(_admitted(prompt))
+    first = sampler.report(now=True)  # idle after the cold prompt: no reuse yet
+    assert first is not None and all(ratio == 0 for _, ratio in first.curve)
+    sampler.admitted(_admitted(prompt))
+    repeat = sampler.report(now=True)  # idle after the repeat, at once
+    assert repeat is not None
+    assert dict(repeat.curve)[max(size for size, _ in repeat.curve)] == pytest.approx(0.5)  # 4 of 8 blocks hit
+    assert sampler.report(now=True) is None  # nothing referenced since: nothing to send

@@ -42,7 +42,7 @@ def _payload(child: str, hits: int) -> dict[str, Any]:
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, [child])
     slot = recorder.slot(0, recorder.label(OPERATIONS["get_num_new_matched_tokens"]))
     for _ in range(hits):
-        recorder.timed(slot, 0.0001, 1)  # a lookup, timed
+        recorder.timed(slot, 0.0001)  # a lookup, timed
         recorder.request_admitted([(16, False)], [0], 0, 16)
     return KVComposeStats(data={"calls": recorder.take()}).to_dict()
 

@@ -54,8 +54,8 @@ def test_completions_save_to_both_and_load_on_repeat(served_pipeline: Any, plain
         assert after[child].calls("wait_for_save") > before[child].calls("wait_for_save")
         assert "save_kv_layer" not in after[child].latency_buckets  # per-layer timing is opt-in
 
-    # Step calls are timed one in sample_every; once the engine is idle, every call is counted: each worker
-    # step called each child once per scheduler step.
+    # Every call is timed and counted: once the engine's stats are all in, each worker step called each child
+    # once per scheduler step.
     settled = _settled_summary(server, lambda s: _steps_agree(s["hot"]) and _steps_agree(s["cold"]))
     for child in ("hot", "cold"):
         counts = {op: settled[child].calls(op) for op in (*_WORKER_STEP_OPS, "build_connector_meta")}

@@ -21,7 +21,8 @@ from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
 from kvcompose.metrics.telemetry import DROP_REASONS
 from kvcompose.metrics import table as table_module
 from kvcompose.metrics.table import COUNTERS, OPS, CallTable
-from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferTable
+from kvcompose.metrics.transfers import FAILURES, TransferTable
+from kvcompose.operations import DIRECTIONS
 from kvcompose.operations import FAILED_LOOKUP, OPERATIONS
 
 BOUNDS = (0.001, 0.01, 0.1)
@@ -187,20 +188,20 @@ def test_stats_of_another_kvcompose_version_are_refused_with_a_reason() -> None:
 def test_buckets_follow_prometheus_le() -> None:
     recorder = PipelineRecorder(True, BOUNDS, ["hot", "cold"])
     for seconds in (0.0005, 0.001, 0.002, 0.1, 5.0):
-        recorder.timed(0, seconds, 1)
-    recorder.timed(1, 0.05, 1)  # the next slot's cells follow
+        recorder.timed(0, seconds)
+    recorder.timed(1, 0.05)  # the next slot's cells follow
     cells = recorder.take().cells
     assert {cell: count for cell, (count, _) in cells.items() if cell < 4} == {0: 2, 1: 1, 2: 1, 3: 1}
     assert [cells[cell][1] for cell in range(4)] == pytest.approx([0.0015, 0.002, 0.1, 5.0])
     assert cells[len(BOUNDS) + 1 + 2] == [1, 0.05]
 
 
-def test_a_timed_call_counts_as_many_calls_as_it_stands_for() -> None:
+def test_calls_of_one_cell_add_up() -> None:
     recorder = PipelineRecorder(True, BOUNDS, ["hot", "cold"])
-    recorder.timed(0, 0.002, 16)
-    recorder.timed(1, 0.05, 16)
-    recorder.timed(1, 0.05, 3)
-    assert recorder.take().cells == {1: [16, pytest.approx(0.032)], 4 + 2: [19, pytest.approx(0.95)]}
+    recorder.timed(0, 0.002)
+    for _ in range(3):
+        recorder.timed(1, 0.05)
+    assert recorder.take().cells == {1: [1, pytest.approx(0.002)], 4 + 2: [3, pytest.approx(0.15)]}
 
 
 class Failing(Exception):
@@ -212,7 +213,7 @@ def _boom(*args: Any) -> None:
 
 
 def _timed(recorder: PipelineRecorder, child: str, operation: str, call: Any) -> Any:
-    """``call``, every call timed as the instrumentation times a call that stands for itself; ``call`` itself
+    """``call``, every call timed as the instrumentation times it; ``call`` itself
     where the recorder does not time the operation."""
     label = recorder.label(OPERATIONS[operation])
     if label is None:
@@ -224,7 +225,7 @@ def _timed(recorder: PipelineRecorder, child: str, operation: str, call: Any) ->
         try:
             return call(*args)
         finally:
-            recorder.timed(slot, time.perf_counter() - start, 1)
+            recorder.timed(slot, time.perf_counter() - start)
 
     return timed
 
@@ -317,7 +318,7 @@ def test_a_large_engines_workers_ship_their_tables_dense() -> None:
     from kvcompose.testing.steps import forward_step
 
     def worker_stats(workers: int) -> KVComposeStats:
-        from kvcompose.connectors.metadata import KVComposeMetadata
+        from kvcompose.wire.metadata import KVComposeMetadata
 
         worker = kvcompose_connector(pipeline(2), "worker", workers=workers)
         worker.bind_connector_metadata(KVComposeMetadata(per_child=(None, None)))

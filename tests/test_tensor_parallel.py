@@ -53,7 +53,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def tp_llm(tiny_model: Path, stores: dict[str, Path]) -> Any:
     # Every call timed: this test checks how the workers' stats merge, and offline LLM.generate leaves the
     # calls of its last steps that a sample has not credited yet for its next call (see test_serve).
-    pipeline = {**example_tiers("tp", stores), "metrics": {"sample_every": 1}}
+    pipeline = example_tiers("tp", stores)
     # One core per worker (the CPU backend otherwise wants a NUMA node each);
     # set only while the engine's processes start, so later engines bind as usual.
     with pytest.MonkeyPatch.context() as env:

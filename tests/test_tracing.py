@@ -13,7 +13,7 @@ from opentelemetry.trace import StatusCode
 from kvcompose.operations import OPERATIONS
 from kvcompose.testing import recording
 from kvcompose.testing.steps import forward_step
-from kvcompose.tracing import attributes as attr
+from kvcompose import names as attr
 from kvcompose.tracing.exporters import traces_url
 from kvcompose.tracing.pipeline import SUMMARY_FIELDS, summary_key
 from kvcompose.tracing.records import IdSource
@@ -357,7 +357,7 @@ def test_a_result_of_an_unexpected_shape_is_traced_without_attributes_never_rais
     without result attributes, and the caller gets the result unchanged."""
     scheduler, _ = composite_pair(vllm_config_with, _pipeline({}))
     request = make_request("r1", TRACEPARENT)
-    malformed = scheduler._instrumentation.observe(scheduler.children[0], OPERATIONS["get_num_new_matched_tokens"],
+    malformed = scheduler._instrumentation.observe(scheduler.children[0].spec, OPERATIONS["get_num_new_matched_tokens"],
                                                    lambda request, computed: (32,))  # one value, where two belong
     assert malformed(request, 0) == (32,)
     scheduler.request_finished(request, [])

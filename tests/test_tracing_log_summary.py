@@ -18,7 +18,7 @@ import pytest
 from kvcompose.config import LoggingSection
 from kvcompose.logs import ROOT_LOGGER, configure_logging, get_logger
 from kvcompose.testing.tiny_model import prompt_words
-from kvcompose.tracing import attributes as attr
+from kvcompose import names as attr
 from kvcompose.tracing.pipeline import SUMMARY_FIELDS, summary_key
 
 from .engine_support import generate, in_process_llm

@@ -24,7 +24,8 @@ from kvcompose.config import DEFAULT_TRANSFER_BUCKETS
 from kvcompose.exposition import read
 from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
 from kvcompose.metrics.telemetry import DROP_REASONS, TelemetryCounters
-from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferRecorder, TransferTable
+from kvcompose.metrics.transfers import FAILURES, TransferRecorder, TransferTable
+from kvcompose.operations import DIRECTIONS
 
 from .prometheus_support import api, wait
 from .server_support import free_port

@@ -19,7 +19,7 @@ from opentelemetry.trace import StatusCode
 from kvcompose.operations import OPERATIONS
 from kvcompose.testing import recording
 from kvcompose.testing.steps import forward_step
-from kvcompose.tracing import attributes as attr
+from kvcompose import names as attr
 
 from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
 

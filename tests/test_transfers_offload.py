@@ -77,9 +77,9 @@ def test_a_load_job_whose_request_vllm_finished_first_ends_aborted_when_the_job_
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
     from kvcompose.config import load_pipeline
-    from kvcompose.connectors.children import ChildSpec
+    from kvcompose.child_spec import ChildSpec
     from kvcompose.connectors.isolation import ChildGuard
-    from kvcompose.connectors.metadata import KVComposeMetadata
+    from kvcompose.wire.metadata import KVComposeMetadata
     from kvcompose.instrumentation.transfers import TransferTracker
     from kvcompose.metrics.transfers import TransferRecorder
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from kvcompose.child_spec import ChildSpec
 from kvcompose.compat import check_name_lookups
 from kvcompose.config import ChildConfig, KVRole, Pipeline, load_pipeline
 from kvcompose.metrics.native import class_path
@@ -26,24 +26,6 @@ PIPELINE_KEY = "pipeline"
 
 class ChildStartupError(RuntimeError):
     """A child connector could not be built; names the child and the cause."""
-
-
-@dataclass(frozen=True)
-class ChildSpec:
-    """Everything about a child that is known before it is constructed."""
-
-    index: int
-    config: ChildConfig
-    connector_cls: type[KVConnectorBase_V1]
-    vllm_config: VllmConfig
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def class_name(self) -> str:
-        return self.connector_cls.__name__
 
 
 def pipeline_from_vllm_config(vllm_config: VllmConfig) -> Pipeline:

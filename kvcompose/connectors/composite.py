@@ -3,15 +3,17 @@
 Load from one child (chosen by the pipeline's load policy; ``first_match`` is
 MultiConnector's rule), save to every child with ``save: true``, and forward or
 aggregate every other method of ``KVConnectorBase_V1`` the way MultiConnector
-does. Each loop iterates the operation's calls (``self._calls.<operation>``,
-see :mod:`kvcompose.connectors.calls`), catches a child's failure itself and
-asks the child's guard what it answers (see :mod:`kvcompose.connectors.isolation`).
+does. Each loop iterates the operation's fixed tuple of calls
+(``self._calls.<operation>``, built once: see :mod:`kvcompose.connectors.calls`),
+catches a child's failure itself and asks the child's guard what it answers
+(see :mod:`kvcompose.connectors.isolation`).
 
 When the pipeline turns metrics or tracing on, the composite holds an
-instrumentation of its role (:mod:`kvcompose.instrumentation`): it reads its
-calls through it, and tells it what happens where it happens (a request
-admitted, a step bound, a save waited for). Those hooks are the lines that
-start with ``if self._instrumentation is not None``.
+instrumentation of its role (:mod:`kvcompose.instrumentation`): every call in
+the tuples goes through its observed form (timed, traced), and the composite
+tells it what happens where it happens (a request admitted, a step bound, a
+save waited for). Those hooks are the lines that start with
+``if self._instrumentation is not None``.
 
 Deliberately not forwarded:
 - ``get_kv_connector_kv_cache_events``: MultiConnector does not aggregate it
@@ -59,16 +61,16 @@ from kvcompose.connectors.children import (
 from kvcompose.connectors.deferrals import Deferrals, LookupDeferredTooLong
 from kvcompose.connectors.isolation import ChildGuard
 from kvcompose.connectors.ledger import SchedulerLedger, WorkerLedger
-from kvcompose.connectors.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
 from kvcompose.connectors.pairing import PairingCheck, PipelineShape
 from kvcompose.connectors.policies import POLICIES
+from kvcompose.connectors.watchdog import watchdog
 from kvcompose.instrumentation import SchedulerInstrumentation, WorkerInstrumentation, instrument
-from kvcompose.instrumentation.watchdog import watchdog
 from kvcompose.logs import configure_logging, get_logger
 from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.prometheus import KVComposePromMetrics
 from kvcompose.metrics.stats import BREAKERS_KEY, NATIVE_KEY, KVComposeStats
 from kvcompose.operations import FAILED, OPERATIONS, Operation
+from kvcompose.wire.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
 
 logger = get_logger("connector")
 
@@ -137,14 +139,12 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._deferrals = Deferrals(self.pipeline.watchdog_s)  # lookups answered "ask again later"
         # None when the pipeline turns metrics and tracing off: then nothing but forwarding runs.
         self._instrumentation: SchedulerInstrumentation | WorkerInstrumentation | None = instrument(
-            self.pipeline, worker, specs, self._guards, self._scheduler_ledger, vllm_config, kv_cache_config)
+            self.pipeline, worker, specs, self._guards, self._loaders, vllm_config, kv_cache_config)
         self.children = [Child(spec, construct_child(spec, role, kv_cache_config), self._guards[spec.index])
                          for spec in specs]
         self._child_calls = ChildCalls(
             self.children, self._instrumentation.observe if self._instrumentation is not None else None)
-        # Per operation, the calls its loop makes (on the worker, chosen again for each step).
-        self._calls = (self._instrumentation.calls_for(self._child_calls) if self._instrumentation is not None
-                       else self._child_calls.plain)
+        self._calls = self._child_calls.fanout  # per operation, the calls its loop makes
         # first_match, MultiConnector's rule, is decided as the loaders answer; another policy reads every answer.
         policy = self.pipeline.load.policy
         self._choose_loader = None if policy == "first_match" else POLICIES[policy]
@@ -162,8 +162,7 @@ class KVComposeConnector(KVConnectorBase_V1):
             tracing=self.pipeline.tracing.granularity if self.pipeline.tracing.enabled else "off",
         )
         if self.pipeline.watchdog_s is not None:
-            watchdog().watch(self, self.pipeline.name, role.name.lower(), self._child_calls, self._instrumentation,
-                             self.pipeline.watchdog_s,
+            watchdog().watch(self, self.pipeline.name, role.name.lower(), self._child_calls, self.pipeline.watchdog_s,
                              self._instrumentation.calls_running if self._instrumentation is not None else None)
 
     def _guard_changed(self, guard: ChildGuard, state_changed: bool) -> None:
@@ -254,8 +253,8 @@ class KVComposeConnector(KVConnectorBase_V1):
             guard.step_started()
         if cancelled := self._worker_ledger.begin_step(connector_metadata):
             self._loads_failed(cancelled)
-        if self._instrumentation is not None:  # it chooses how this step's calls are made
-            self._calls = self._instrumentation.step_bound(connector_metadata)
+        if self._instrumentation is not None:
+            self._instrumentation.step_bound(connector_metadata)
         binds = self._calls.bind_connector_metadata
         for bind, metadata in zip(binds, connector_metadata.per_child, strict=True):
             try:
@@ -274,7 +273,7 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._worker_ledger.end_step()
         self._layer_saves = True  # back to every step's layer saves
         if self._instrumentation is not None:
-            self._calls = self._instrumentation.step_cleared()
+            self._instrumentation.step_cleared()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVComposeMetadata)
@@ -494,7 +493,10 @@ class KVComposeConnector(KVConnectorBase_V1):
         if loading is not None:
             self._scheduler_ledger.plan_load(request.request_id, blocks, num_external_tokens, accepted)
         if self._instrumentation is not None:
-            self._instrumentation.admitted(request, num_external_tokens)
+            lookup_round = self._scheduler_ledger.rounds.get(request.request_id)
+            self._instrumentation.admitted(request, num_external_tokens,
+                                           None if lookup_round is None else lookup_round[3],
+                                           self._scheduler_ledger.planned_loader(request.request_id))
 
     def on_new_request(self, request: Request) -> None:
         for on_new in self._calls.on_new_request:

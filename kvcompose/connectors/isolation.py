@@ -56,21 +56,10 @@ from typing import Any
 
 from kvcompose.config import ChildConfig
 from kvcompose.logs import get_logger
-from kvcompose.operations import Operation
-from kvcompose.tracing.attributes import qualified_name
+from kvcompose.operations import CIRCUIT_OPEN, CircuitOpen, Operation
+from kvcompose.names import qualified_name
 
 logger = get_logger("isolation")
-
-CIRCUIT_OPEN = "kvcompose.circuit_open"  # error.type of a call skipped while the circuit is open
-
-
-class CircuitOpen(Exception):
-    """Raised in place of a call skipped while the child's circuit is open; isolation answers it."""
-
-
-# Spans and logs name a failure by its class's qualified name: make that the documented error.type.
-CircuitOpen.__module__, CircuitOpen.__qualname__ = CIRCUIT_OPEN.split(".")
-
 
 class BreakerState(enum.IntEnum):
     """Values of the ``kvcompose_child_state`` gauge."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvcompose.connectors.metadata import KVComposeMetadata, LoadPlan
+from kvcompose.wire.metadata import KVComposeMetadata, LoadPlan
 from kvcompose.operations import FAILED, Failed
 
 if TYPE_CHECKING:

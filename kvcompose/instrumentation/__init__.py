@@ -4,16 +4,15 @@ The composite (:mod:`kvcompose.connectors.composite`) forwards exactly as
 vLLM's MultiConnector does. When its pipeline turns metrics or tracing on, it
 holds an instrumentation of its role, made by :func:`instrument`, and
 
-- makes each child call in an observed form when the instrumentation asks
-  (:meth:`~kvcompose.instrumentation.base.Instrumentation.observe`, chosen per
-  call on the scheduler and per step on the worker);
+- makes each child call through the instrumentation's observed form of it
+  (:meth:`~kvcompose.instrumentation.base.Instrumentation.observe`: timed, and
+  traced under its request or step);
 - tells it, through hooks at the places they happen, what only the composite
   knows: a request admitted or finished, a step bound or cleared, a save waited
   for, the children's transfer results and worker metadata.
 
 Nothing is installed on the composite, and with metrics and tracing off there
-is no instrumentation at all. The watchdog (:mod:`kvcompose.instrumentation.watchdog`)
-watches every composite whose pipeline sets ``watchdog_s``.
+is no instrumentation at all.
 """
 
 from __future__ import annotations
@@ -31,26 +30,25 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from kvcompose.child_spec import ChildSpec
     from kvcompose.config import Pipeline
-    from kvcompose.connectors.children import ChildSpec
-    from kvcompose.connectors.isolation import ChildGuard
-    from kvcompose.connectors.ledger import SchedulerLedger
+    from kvcompose.instrumentation.transfers import GuardRecord
 
 __all__ = ["SchedulerInstrumentation", "WorkerInstrumentation", "instrument"]
 
 
 def instrument(
-    pipeline: Pipeline, worker: bool, specs: list[ChildSpec], guards: Sequence[ChildGuard], ledger: SchedulerLedger,
+    pipeline: Pipeline, worker: bool, specs: list[ChildSpec], guards: Sequence[GuardRecord], loaders: tuple[int, ...],
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
 ) -> SchedulerInstrumentation | WorkerInstrumentation | None:
-    """The instrumentation of a composite of this role (``worker``: the worker side); None when the pipeline turns
-    metrics and tracing off."""
+    """The instrumentation of a composite of this role (``worker``: the worker side; ``loaders``: the loading
+    children's indices, in lookup order); None when the pipeline turns metrics and tracing off."""
     if not (pipeline.metrics.enabled or pipeline.tracing.enabled):
         return None
     if worker:
         return WorkerInstrumentation(pipeline, specs, guards, vllm_config, kv_cache_config)
-    return SchedulerInstrumentation(pipeline, specs, ledger, engine_id_of(vllm_config),
-                                    stream_sampler(specs, ledger.loaders, vllm_config, kv_cache_config))
+    return SchedulerInstrumentation(pipeline, specs, loaders, engine_id_of(vllm_config),
+                                    stream_sampler(specs, loaders, vllm_config, kv_cache_config))
 
 
 def stream_sampler(

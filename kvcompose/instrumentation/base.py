@@ -5,64 +5,57 @@ turns metrics or tracing on, it holds an :class:`Instrumentation` of its role
 (:class:`~kvcompose.instrumentation.scheduler.SchedulerInstrumentation` or
 :class:`~kvcompose.instrumentation.worker.WorkerInstrumentation`) and tells
 it, through the hooks below, what happens: a request admitted, a step bound, a
-save waited for. This class holds what both roles share: the recorder of
-calls, the tracer, and :meth:`Instrumentation.observe`, the wrapper every
-child call has in its observed form (see kvcompose.connectors.calls).
+save waited for. Every hook of both roles is declared here and does nothing,
+so a composite asked an operation of the other role (as MultiConnector's own
+tests do) forwards it like MultiConnector. This class also holds what both
+roles share: the recorder of calls, the tracer, and :meth:`Instrumentation.observe`,
+the wrapper of every child call that has something to record.
 
-An observed call is timed, and what its time means is read from its
-operation's :class:`CallState`, which the role sets before the call: the
-calls it stands for in the latency histogram (its weight: see
-kvcompose.instrumentation.sampling), whether its time is engine wait, and the
-spans it belongs under. A call with nothing to record is made as is.
+Every observed call is timed: its latency goes to the histogram of its child
+and operation, the time of a blocking call counts as engine wait, and a call
+about a traced request or step gets a span.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from time import time_ns
 from typing import TYPE_CHECKING, Any
 
-from kvcompose.connectors.isolation import CircuitOpen
+from kvcompose.operations import CircuitOpen
 from kvcompose.instrumentation.transfers import StepWaits
 from kvcompose.metrics.recorder import PipelineRecorder
 from kvcompose.metrics.stats import CALLS_KEY, TELEMETRY_KEY, TRANSFERS_KEY
 from kvcompose.live import board
 from kvcompose.metrics.telemetry import LIVE_RUNNING_CALLS
 from kvcompose.metrics.transfers import TransferRecorder
-from kvcompose.operations import CHILD_OPERATIONS, OPERATIONS, Granularity, Operation
-from kvcompose.tracing.attributes import qualified_name
+from kvcompose.operations import Failed, Granularity, LookupRound, Operation
+from kvcompose.names import qualified_name
 from kvcompose.tracing.pipeline import CallSpan, PipelineTracer, SpanContextIds, pipeline_tracer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
+    from kvcompose.child_spec import ChildSpec
     from kvcompose.config import Pipeline
-    from kvcompose.instrumentation.watchdog import RunningCalls
-    from kvcompose.connectors.calls import ChildCalls
-    from kvcompose.connectors.children import Child, ChildSpec
 
 # The exporter's counters (spans dropped, spans waiting) are read at most this often, not every step.
 TELEMETRY_EVERY_S = 0.5
 
-
-@dataclass(slots=True)
-class CallState:
-    """How calls are observed now: per operation on the scheduler (set per call), one for every operation on
-    the worker (set per step)."""
-
-    weight: int = 0  # calls the current call stands for in the latency histogram; 0: not recorded there
-    sampled: int = 0  # its weight comes from a sampler: the number of that sample (a call, or a step); 0: not
-    parents: tuple[SpanContextIds, ...] = ()  # worker: where the bound step's call spans go
+# The watchdog's report of a composite's calls seen running at consecutive looks: (child name, operation label or
+# name) -> (seconds running, whether past watchdog_s: stuck).
+RunningCalls = dict[tuple[str, str], tuple[float, bool]]
 
 
 @dataclass(slots=True)
-class _Sampled:
-    """The calls of one operation in its latest sample, per child: the calls not timed count at their latency."""
+class StepParents:
+    """Where the call spans of the worker's bound step go: the step's spans (empty: the step is not traced)."""
 
-    sample: int = 0
-    seconds: dict[int, float] = field(default_factory=dict)  # child index -> latency of its last call
-    calls: dict[int, int] = field(default_factory=dict)  # child index -> its calls in the sample
+    spans: tuple[SpanContextIds, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +66,6 @@ class Observation:
     child: int
     child_name: str
     operation: Operation
-    state: CallState
     slot: int | None  # in the latency histogram; None: the operation is not timed
     waits: StepWaits | None  # where its time counts as engine wait; None: it does not
     wait_slot: int  # its place in ``waits.seconds``
@@ -85,9 +77,8 @@ def timed_call(
     observation: Observation, call: Callable[..., Any], parents: tuple[SpanContextIds, ...], request_id: str | None,
     args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> Any:
-    """Make ``call`` timed, recording what its state asks for: its latency (with the calls it stands for), its
-    engine wait, and a span under each of ``parents`` (if any). The watchdog knows a call kvcompose times by this
-    function's frame on its stack."""
+    """Make ``call`` timed, recording its latency, its engine wait, and a span under each of ``parents`` (if any).
+    The watchdog knows a call kvcompose times by this function's frame on its stack."""
     tracer = observation.tracer
     span = tracer.start_call(parents, request_id, observation.child_name) if parents and tracer else None
     result = error = None
@@ -101,11 +92,9 @@ def timed_call(
     finally:
         end = time_ns()
         if not isinstance(error, CircuitOpen):  # a call the breaker skipped took none of the child's time
-            state, seconds = observation.state, (end - start) / 1e9
-            if observation.slot is not None and state.weight:
-                observation.instrumentation.recorder.timed(observation.slot, seconds, state.weight)
-                if state.sampled:
-                    observation.instrumentation.note_sampled(observation, seconds)
+            seconds = (end - start) / 1e9
+            if observation.slot is not None:
+                observation.instrumentation.recorder.timed(observation.slot, seconds)
             if (waits := observation.waits) is not None:
                 waits.seconds[observation.wait_slot] += seconds
                 if observation.operation.blocking == "load":
@@ -121,7 +110,7 @@ def engine_id_of(vllm_config: VllmConfig) -> str:
 
 
 class Instrumentation:
-    """The metrics and spans of one composite, and the hooks its role's composite calls."""
+    """The metrics and spans of one composite, and the hooks of both roles' composites (each does nothing here)."""
 
     def __init__(
         self, pipeline: Pipeline, specs: list[ChildSpec], role: str, engine_id: str, ship_dense: bool = False,
@@ -135,58 +124,50 @@ class Instrumentation:
         self.transfer_recorder = TransferRecorder(metrics.enabled, names, metrics.transfer_buckets)
         self.role, self.engine_id = role, engine_id
         self.tracer: PipelineTracer | None = pipeline_tracer(pipeline, role, engine_id)
-        self.states = {name: CallState() for name in CHILD_OPERATIONS}
-        self._sampled = {name: _Sampled() for name in CHILD_OPERATIONS}
-        self._slow_calls: list[tuple[int, Operation, float]] = []  # from the watchdog: (child, operation, seconds)
-        self._samples = 0  # samples taken so far (see CallState.sampled)
+        self.step_parents = StepParents()  # set per step by the worker
+        self.step_saves = False  # worker: the bound step has sync saves, so wait_for_save is told
         self._reports_span_telemetry = metrics.enabled and self.tracer is not None
         self._telemetry_due = 0  # monotonic ns when the exporter's counters are read next
 
     # ---- the composite's calls into its children ----
-
-    def calls_for(self, child_calls: ChildCalls) -> Any:
-        """What the composite reads its calls from (``self._calls``); see the roles."""
-        return child_calls.plain
 
     def traces(self, operation: Operation) -> bool:
         """Are this operation's calls traced at the pipeline's granularity (when their request or step is)?"""
         return self.tracer is not None and operation.traced and (
             operation.granularity is not Granularity.LAYER or self.tracer.granularity == "layer")
 
-    def state_of(self, operation: Operation) -> CallState:
-        """The state the observed calls of ``operation`` read."""
-        return self.states[operation.name]
-
     def waits_on(self, operation: Operation) -> StepWaits | None:
         """Where the time of this operation's calls counts as engine wait (None: it does not)."""
         return None
 
-    def observe(self, child: Child, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
-        """``call``, timed whenever its state asks for it, and traced under its request or step."""
+    def observe(self, child: ChildSpec, operation: Operation, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call``, timed and traced under its request or step; ``call`` itself where there is nothing to
+        record (an operation neither timed, nor engine wait, nor traced)."""
         label = self.recorder.label(operation)
+        slot = self.recorder.slot(child.index, label) if label is not None else None
+        waits = self.waits_on(operation)
         tracer = self.tracer if self.traces(operation) else None
-        wait_slot = StepWaits.slot(child.index, operation.blocking) if operation.blocking else -1
+        if slot is None and waits is None and tracer is None:
+            return call
         observation = Observation(
-            self, child.index, child.name, operation, self.state_of(operation),
-            self.recorder.slot(child.index, label) if label is not None else None, self.waits_on(operation),
-            wait_slot, tracer, tracer.call_template(child.spec, operation) if tracer is not None else -1)
-        state = observation.state
-        about_request = tracer is not None and operation.granularity is Granularity.REQUEST
+            self, child.index, child.name, operation, slot, waits,
+            StepWaits.slot(child.index, operation.blocking) if operation.blocking else -1,
+            tracer, tracer.call_template(child, operation) if tracer is not None else -1)
+        if tracer is None:
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                return timed_call(observation, call, (), None, args, kwargs)
+            return timed
+        if operation.granularity is Granularity.REQUEST:
+            def timed_about_request(*args: Any, **kwargs: Any) -> Any:
+                context = tracer.request_context(args[0])
+                return timed_call(observation, call, () if context is None else (context,), args[0].request_id,
+                                  args, kwargs)
+            return timed_about_request
+        step = self.step_parents
 
-        def observed(*args: Any, **kwargs: Any) -> Any:
-            request_id = None
-            parents: tuple[SpanContextIds, ...] = ()
-            if about_request:
-                request_id = args[0].request_id
-                if (context := tracer.request_context(args[0])) is not None:  # type: ignore[union-attr]
-                    parents = (context,)
-            elif tracer is not None:
-                parents = state.parents
-            if not (parents or state.weight):
-                return call(*args, **kwargs)
-            return timed_call(observation, call, parents, request_id, args, kwargs)
-
-        return observed
+        def timed_in_step(*args: Any, **kwargs: Any) -> Any:
+            return timed_call(observation, call, step.spans, None, args, kwargs)
+        return timed_in_step
 
     def span_ended(
         self, observation: Observation, span: CallSpan, start_ns: int, end_ns: int, args: tuple[Any, ...],
@@ -211,48 +192,6 @@ class Instrumentation:
         tracer.end_call(span, observation.template, start_ns, end_ns, values,
                         None if error is None else qualified_name(type(error)), record)
 
-    def next_sample(self) -> int:
-        """The number of a new sample (a sampled call, or step)."""
-        self._samples += 1
-        return self._samples
-
-    def note_sampled(self, observation: Observation, seconds: float) -> None:
-        """A call of a sample took ``seconds``: what the calls not timed count at, at the next idle."""
-        sampled = self._sampled[observation.operation.name]
-        if sampled.sample != observation.state.sampled:
-            sampled.sample, sampled.seconds, sampled.calls = observation.state.sampled, {}, {}
-        sampled.seconds[observation.child] = seconds
-        sampled.calls[observation.child] = sampled.calls.get(observation.child, 0) + 1
-
-    def credit_untimed(self, operation: str, samples: int) -> None:
-        """The engine went idle: ``samples`` units not timed (calls, or worker steps) of ``operation`` count as
-        its latest sample's calls did."""
-        label = self.recorder.label(OPERATIONS[operation])
-        if not samples or label is None:
-            return
-        sampled = self._sampled[operation]
-        for child, seconds in sampled.seconds.items():
-            self.recorder.timed(self.recorder.slot(child, label), seconds, samples * sampled.calls[child])
-
-    def slow_call(self, child: int, operation: Operation, seconds: float) -> None:
-        """The watchdog saw a call that was not timed run ``seconds`` (any thread): it lands in the latency
-        histogram on its own."""
-        self._slow_calls.append((child, operation, seconds))
-
-    def _record_slow_calls(self) -> None:
-        """The watchdog's calls, recorded on the engine's thread (which owns the samplers)."""
-        slow, self._slow_calls[:] = self._slow_calls[:], []
-        for child, operation, seconds in slow:
-            if (label := self.recorder.label(operation)) is not None:
-                self.recorder.timed(self.recorder.slot(child, label), seconds, 1)
-                self.uncount(operation)
-
-    def uncount(self, operation: Operation) -> None:
-        """A call counted by a sampler was recorded on its own after all."""
-
-    def child_stats(self, child: int, stats: Any) -> None:
-        """A child's own stats, taken with the composite's (the worker reads NIXL's transfer telemetry)."""
-
     def calls_running(self, running: RunningCalls) -> None:
         """The watchdog's report of this composite's calls into children running long (it reads them while the
         engine's thread is stuck in one): published on the engine's live board for the front-end's gauges."""
@@ -270,6 +209,53 @@ class Instrumentation:
         if self.tracer is not None:
             self.tracer.breaker_changed(child_name, state)
 
+    # ---- scheduler hooks ----
+
+    def admitted(self, request: Request, num_external_tokens: int, lookup_round: LookupRound | None,
+                 loading: int | None) -> None:
+        """vLLM allocated the request's blocks (``update_state_after_alloc`` returned); ``lookup_round``: its last
+        lookup round's answers, one per loader (None: no child was asked); ``loading``: the child that loads it."""
+
+    def request_finished(self, request: Request, saves_async: bool) -> None:
+        """vLLM finished the request (every child was told)."""
+
+    def metadata_built(self, scheduler_output: SchedulerOutput, metadata: KVComposeMetadata) -> None:
+        """A step's metadata is built: add what the workers need."""
+
+    def worker_output(self, worker_metadata: KVComposeWorkerMetadata | None) -> None:
+        """What the workers' metadata of a step reports."""
+
+    # ---- worker hooks ----
+
+    def step_bound(self, metadata: KVComposeMetadata) -> None:
+        """The step's metadata is about to be bound."""
+
+    def step_cleared(self) -> None:
+        """The step's metadata was cleared."""
+
+    def saves_waited(self, layer_saves: bool) -> None:
+        """The step's ``wait_for_save`` returned, in a step with sync saves (:attr:`step_saves`)."""
+
+    def transfer_results(
+        self, answers: Sequence[KVConnectorTransferResults | Failed], finished_req_ids: set[str],
+        settled: KVConnectorTransferResults,
+    ) -> None:
+        """Every child's transfer results (FAILED: it raised, and gives up what it owes), and the composite's."""
+
+    def load_errors(self, child: int, blocks: set[int]) -> None:
+        """A child reported blocks it failed to load."""
+
+    def loads_given_back(self, blocks_by_child: dict[int, set[int]]) -> None:
+        """The composite gave a failed child's loads back to vLLM."""
+
+    def child_stats(self, child: int, stats: Any) -> None:
+        """A child's own stats, taken with the composite's (the worker reads NIXL's transfer telemetry)."""
+
+    def worker_meta_built(self, per_child: Sequence[Any]) -> Summaries | None:
+        """The children's worker metadata of the step; returns the summaries of traced requests' transfers that
+        ended, for the scheduler."""
+        return None
+
     # ---- stats, state, shutdown ----
 
     def reports(self, idle: bool) -> dict[str, Any]:
@@ -277,19 +263,13 @@ class Instrumentation:
         engine is going idle, so this is the last take for a while: report what changed now."""
         return {}
 
-    def flush_due(self) -> bool:
-        """Whether this take of the stats credits the calls not timed (the engine goes idle)."""
+    def idle(self) -> bool:
+        """Is the engine going idle at this take of the stats (so what changed is reported now)?"""
         return False
-
-    def flush(self) -> None:
-        """Credit every operation's calls not timed since its last timed one (the engine goes idle)."""
 
     def take_tables(self) -> dict[str, Any] | None:
         """kvcompose's own tables since the last call (calls, transfers, span telemetry); None if all empty."""
-        if self._slow_calls:
-            self._record_slow_calls()
-        if idle := self.flush_due():
-            self.flush()
+        idle = self.idle()
         tables: dict[str, Any] = {}
         if (calls := self.recorder.take()) is not None:
             tables[CALLS_KEY] = calls

@@ -4,8 +4,9 @@ Scheduler side (:class:`StreamSampler`): each admitted request's block hashes
 (``Request.block_hashes``, computed by vLLM already) go to a SHARDS sampler
 (kvcompose.economics.shards) once, at the request's first admission. Every
 :data:`REPORT_EVERY_S` while blocks are referenced, and as the engine goes
-idle if a second has passed (so an idle engine shows its traffic but for
-its last second at most), the scheduler reports the estimated hit ratio of
+idle after blocks were referenced (an idle engine takes no stats, so what is
+not reported then would wait for the next request), the scheduler reports
+the estimated hit ratio of
 an LRU cache at each size of a grid (powers of two, the GPU cache's size and
 each tier's), and each tier's write waste; its first report adds the
 capacities (the GPU cache's blocks, and a tier's where its config says:
@@ -42,12 +43,9 @@ from kvcompose.metrics.economics import GPU, EconomicsReport
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from kvcompose.connectors.children import ChildSpec
+    from kvcompose.child_spec import ChildSpec
 
 REPORT_EVERY_S = 5.0
-# As the engine goes idle, the curve is reported if this long passed since the last report: an engine serving one
-# request at a time goes idle after each, and the curve is not worth computing that often.
-IDLE_REPORT_AFTER_S = 1.0
 # The prefill cost's fit: a step's weight halves over this many later steps. It needs this many steps'
 # weight, and the steps' prefill sizes to spread (a standard deviation the decodes do not explain) by this
 # many tokens and this share of their mean.
@@ -101,12 +99,12 @@ class StreamSampler:
             self._sampler.record_hashes(block_hashes)
 
     def report(self, now: bool = False) -> EconomicsReport | None:
-        """What to report: None until :data:`REPORT_EVERY_S` passed since the last report (``now``, as the
-        engine goes idle: :data:`IDLE_REPORT_AFTER_S`), or when no block was referenced since."""
+        """What to report: None when no block was referenced since the last report, or (unless ``now``, as the
+        engine goes idle) until :data:`REPORT_EVERY_S` passed since it."""
         references = self._sampler.stream_references
-        since_s = (at := monotonic()) - self._reported_at
-        if since_s < (IDLE_REPORT_AFTER_S if now else REPORT_EVERY_S) or (
-                self._static is None and references == self._reported_references):
+        at = monotonic()
+        if (self._static is None and references == self._reported_references) or (
+                not now and at - self._reported_at < REPORT_EVERY_S):
             return None
         self._reported_at, self._reported_references = at, references
         report = EconomicsReport(**(self._static or {}))

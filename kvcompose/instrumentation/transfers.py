@@ -47,74 +47,33 @@ count every worker's shard.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from time import time_ns
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Protocol
 
+from kvcompose.adapters import nixl, offloading
+from kvcompose.adapters.completion import CopySource, completion_mode
+from kvcompose.adapters.completion import copy_source as copy_source  # imported from here by tests/test_transfers.py
+from kvcompose.adapters.offloading import job_requests as job_requests  # ... and by instrumentation/scheduler.py
 from kvcompose.logs import get_logger
+from kvcompose.operations import DIRECTIONS, Direction, Outcome
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvcompose.connectors.children import ChildSpec
-    from kvcompose.connectors.isolation import ChildGuard
-    from kvcompose.connectors.metadata import KVComposeMetadata
+    from kvcompose.child_spec import ChildSpec
     from kvcompose.metrics.transfers import TransferRecorder
     from kvcompose.tracing.pipeline import PipelineTracer, SpanContextIds
+    from kvcompose.wire.metadata import KVComposeMetadata
 
 logger = get_logger("transfers")
 
-Direction = Literal["load", "save"]
-Outcome = Literal["ok", "failed", "aborted"]
-Mode = Literal["sync", "finish", "jobs"]
-CopySource = Literal["child", "calls"]
-_DIRECTIONS: tuple[Direction, ...] = ("load", "save")
 EXPIRY_S = 600.0  # an open transfer older than this ends as aborted
 FAILED_TRANSFER = "kvcompose.transfer_failed"  # error.type of a failure the child reported without raising
 _EXPIRY_NS = int(EXPIRY_S * 1e9)
 _EXPIRY_CHECK_NS = 1_000_000_000
-
-# How a child reports completion, by its class (or a base class) name.
-_MODES: dict[str, Mode] = {
-    "OffloadingConnector": "jobs",
-    "NixlBaseConnector": "finish",  # vLLM 0.32-0.33: "NixlConnector" resolves to NixlPullConnector, a subclass
-    "NixlConnector": "finish",  # vLLM 0.30-0.31
-}
-
-
-def completion_mode(connector_cls: type) -> Mode:
-    for cls in connector_cls.__mro__:
-        if (mode := _MODES.get(cls.__name__)) is not None:
-            return mode
-    return "sync"
-
-
-def copy_source(connector_cls: type) -> dict[Direction, CopySource | None]:
-    """Where a child's copy times come from, per direction: its own measurements (OffloadingConnector, NIXL's
-    loads), kvcompose's calls into it, or None where none is recorded (NIXL's saves: in its default pull mode
-    the decode side moves the blocks, and the prefill side measures no send)."""
-    mode = completion_mode(connector_cls)
-    if mode == "sync":
-        return {"load": "calls", "save": "calls"}
-    return {"load": "child", "save": "child" if mode == "jobs" else None}
-
-
-def _jobs(child_metadata: Any) -> Iterable[tuple[Direction, Any, Any]]:
-    """(direction, job id, job) of each job in a ``jobs`` child's metadata. Read by attribute name from
-    vLLM's experimental offloading metadata: fields a release lacks yield nothing rather than fail."""
-    for direction, name in (("load", "load_jobs"), ("save", "store_jobs")):
-        jobs = getattr(child_metadata, name, None)
-        if isinstance(jobs, Mapping):
-            for job_id, job in jobs.items():
-                yield direction, job_id, job
-
-
-def job_requests(children_metadata: Iterable[Any]) -> set[str]:
-    """Scheduler side: the requests whose jobs the metadata of ``jobs`` children issues this step."""
-    return {req_id for metadata in children_metadata for _, _, job in _jobs(metadata)
-            if isinstance(req_id := getattr(job, "req_id", None), str)}
 
 
 def is_first_worker() -> bool:
@@ -163,12 +122,12 @@ class StepWaits:
     __slots__ = ("seconds", "load_end_ns")
 
     def __init__(self, children: int) -> None:
-        self.seconds = [0.0] * (children * len(_DIRECTIONS))  # at slot(child, direction)
+        self.seconds = [0.0] * (children * len(DIRECTIONS))  # at slot(child, direction)
         self.load_end_ns = [0] * children  # 0: no load wait this step
 
     @staticmethod
     def slot(child: int, direction: Direction) -> int:
-        return child * len(_DIRECTIONS) + _DIRECTIONS.index(direction)
+        return child * len(DIRECTIONS) + DIRECTIONS.index(direction)
 
     def of(self, child: int, direction: Direction) -> float:
         return self.seconds[self.slot(child, direction)]
@@ -178,11 +137,18 @@ class StepWaits:
         self.load_end_ns[:] = [0] * len(self.load_end_ns)
 
 
+class GuardRecord(Protocol):
+    """What the tracker reads of a child's guard: whether the child failed during a step, and how."""
+
+    failures: int  # failed calls so far
+    last_error_type: str  # of the latest failure
+
+
 class TransferTracker:
     """The transfers of one worker-side composite; see the module docstring."""
 
     def __init__(
-        self, specs: Sequence[ChildSpec], guards: Sequence[ChildGuard], block_bytes: int,
+        self, specs: Sequence[ChildSpec], guards: Sequence[GuardRecord], block_bytes: int,
         recorder: TransferRecorder, tracer: PipelineTracer | None,
     ) -> None:
         self._specs = specs
@@ -304,8 +270,7 @@ class TransferTracker:
         """A child's own stats of the step: NIXL's transfer telemetry gives the copy time of the loads it
         finished in this step."""
         if self._awaiting_copy and self._modes[child] == "finish":
-            durations = getattr(stats, "data", {}).get("transfer_duration")
-            self._end_awaiting(sum(durations) if durations else None, child)
+            self._end_awaiting(nixl.copy_seconds(stats), child)
 
     def _end_awaiting(self, measured: float | None, child: int | None = None) -> None:
         """End the loads awaiting their copy time (``child``'s, or all), sharing ``measured`` among them."""
@@ -321,13 +286,12 @@ class TransferTracker:
             return
         end = time_ns()
         done: dict[Direction, list[Transfer]] = {"load": [], "save": []}
-        for job_id in getattr(worker_meta, "completed_jobs", None) or ():
-            for direction in ("load", "save"):
-                if (transfer := self._open.pop((child, str(job_id), direction), None)) is not None:
+        for job_id in offloading.completed_jobs(worker_meta):
+            for direction in DIRECTIONS:
+                if (transfer := self._open.pop((child, job_id, direction), None)) is not None:
                     done[direction].append(transfer)
-        stats = getattr(worker_meta, "transfer_stats", None)
         for direction, transfers in done.items():
-            measured = getattr(getattr(stats, "load" if direction == "load" else "store", None), "time", None)
+            measured = offloading.copy_seconds(worker_meta, direction)
             together = _blocks_by_child(transfers)
             for transfer in transfers:
                 outcome: Outcome = "aborted" if transfer.aborted else "ok"
@@ -359,14 +323,8 @@ class TransferTracker:
     # ---- helpers ----
 
     def _start_jobs(self, child: int, child_metadata: Any) -> None:
-        for direction, job_id, job in _jobs(child_metadata):
-            req_id = getattr(job, "req_id", None)
-            if not isinstance(req_id, str):
-                continue
-            engine_side = getattr(job, "dst_spec" if direction == "load" else "src_spec", None)  # the engine's blocks
-            block_ids = getattr(engine_side, "block_ids", None)  # a numpy array in vLLM 0.32: no truth value
-            blocks = len(block_ids) if block_ids is not None else 0
-            self._open[(child, str(job_id), direction)] = self._start(child, direction, req_id, blocks)
+        for job in offloading.jobs(child_metadata):
+            self._open[(child, job.job_id, job.direction)] = self._start(child, job.direction, job.req_id, job.blocks)
 
     def _start(self, child: int, direction: Direction, req_id: str, blocks: int) -> Transfer:
         self._recorder.started(child, direction)

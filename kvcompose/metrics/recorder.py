@@ -1,11 +1,8 @@
 """Per-process recording of the composite's calls into its children: latency, counts and what the calls meant.
 
-The instrumentation (:mod:`kvcompose.instrumentation`) tells the recorder
-each timed call with its *weight*, the calls it stands for (see
-:mod:`kvcompose.instrumentation.sampling`): its latency bucket gets that many
-calls and ``_sum`` that many times its latency. So the latency histogram's
-buckets and count add up to the calls kvcompose made, and ``_sum`` is an
-estimate. With ``sample_every: 1`` every call is timed and counted at once.
+The instrumentation (:mod:`kvcompose.instrumentation`) times every call
+into a child and tells the recorder its latency: the latency histogram's
+buckets, count and ``_sum`` are those of the calls kvcompose made.
 
 What the calls meant is counted where vLLM counts it, told by the
 instrumentation:
@@ -22,7 +19,7 @@ instrumentation:
 - blocks that failed to load, as block ids per scheduler step (see
   :class:`~kvcompose.metrics.table.CallTable`), so merging the workers' stats
   takes the union vLLM takes;
-- every failure a child call raised (from its guard, timed or not).
+- every failure a child call raised (from its guard).
 
 Threads: vLLM 0.30-0.33 calls a connector from one thread per process, but a
 child may report from threads of its own and the watchdog records from its
@@ -66,7 +63,7 @@ class PipelineRecorder:
         self._bounds = tuple(bounds)
         self._lock = threading.Lock()
         self._bucketed: Cells = {}  # calls folded since the last take
-        self._pending: list[tuple[int, float, int]] = []  # (slot, seconds, weight), not folded yet
+        self._pending: list[tuple[int, float]] = []  # (slot, seconds), not folded yet
         self._counts = [[0] * len(COUNTERS) for _ in self._children]
         self._errors: ErrorCounts = {}
         self._load_errors: LoadErrors = {}
@@ -84,12 +81,12 @@ class PipelineRecorder:
         """Where the timed calls of child ``child`` (its index) and operation ``label`` are kept."""
         return child * len(OPS) + OPS.index(label)
 
-    def timed(self, slot: int, seconds: float, weight: int) -> None:
-        """A timed call of ``slot`` took ``seconds``; it stands for ``weight`` calls."""
+    def timed(self, slot: int, seconds: float) -> None:
+        """A call of ``slot`` took ``seconds``."""
         if len(self._pending) >= MAX_PENDING_CALLS:
             with self._lock:
                 self._fold_pending()
-        self._pending.append((slot, seconds, weight))
+        self._pending.append((slot, seconds))
 
     # ---- what the calls meant, told by the instrumentation ----
 
@@ -164,10 +161,10 @@ class PipelineRecorder:
         entries = self._pending[:]
         del self._pending[: len(entries)]
         buckets = len(self._bounds) + 1
-        for slot, seconds, weight in entries:
+        for slot, seconds in entries:
             cell = slot * buckets + bisect_left(self._bounds, seconds)  # Prometheus' le: the bound is inclusive
             if (counts := self._bucketed.get(cell)) is None:
-                self._bucketed[cell] = [weight, weight * seconds]
+                self._bucketed[cell] = [1, seconds]
             else:
-                counts[0] += weight
-                counts[1] += weight * seconds
+                counts[0] += 1
+                counts[1] += seconds

@@ -2,7 +2,7 @@
 
 vLLM sends a connector's stats only after an engine step, so a call that hangs
 also stops the stats that would report it. The engine's watchdog
-(:mod:`kvcompose.instrumentation.watchdog`) sees such a call from a thread of
+(:mod:`kvcompose.connectors.watchdog`) sees such a call from a thread of
 its own and publishes it on the engine's live board (:mod:`kvcompose.live`);
 the front-end reads the board about every second and sets:
 

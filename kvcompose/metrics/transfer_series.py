@@ -29,7 +29,8 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvcompose.metrics.histograms import CellAdder, cell_adder
-from kvcompose.metrics.transfers import DIRECTIONS, FAILURES, TransferTable
+from kvcompose.metrics.transfers import FAILURES, TransferTable
+from kvcompose.operations import DIRECTIONS
 
 
 @dataclass

@@ -33,14 +33,11 @@ import time
 from bisect import bisect_left
 from collections.abc import Sequence
 from operator import add
-from typing import Any, Literal
+from typing import Any
 
 from kvcompose.metrics.table import Cells, add_cells
+from kvcompose.operations import DIRECTIONS, Direction, Outcome
 
-Direction = Literal["load", "save"]
-Outcome = Literal["ok", "failed", "aborted"]
-
-DIRECTIONS: tuple[Direction, ...] = ("load", "save")
 # The outcomes counted as failures, in the order a table keeps them.
 FAILURES: tuple[Outcome, ...] = ("failed", "aborted")
 

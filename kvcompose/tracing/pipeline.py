@@ -42,42 +42,29 @@ from kvcompose.config import Pipeline
 from kvcompose.live import board
 from kvcompose.logs import CURRENT_CALL, get_logger
 from kvcompose.metrics.telemetry import LIVE_SPANS_QUEUED, TelemetryCounters
-from kvcompose.operations import Operation
-from kvcompose.tracing import attributes as attr
+from kvcompose.operations import DIRECTIONS, Operation
+from kvcompose import names as attr
 from kvcompose.tracing.records import IDS, parse_traceparent
 from kvcompose.tracing.sampling import Sampling, sampling_for
 from kvcompose.tracing.shipping import SpanShipper, shipper_for
+from kvcompose.wire.metadata import Summaries, TracedRequest
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from kvcompose.connectors.children import ChildSpec
-    from kvcompose.connectors.metadata import LoadPlan
+    from kvcompose.child_spec import ChildSpec
+    from kvcompose.wire.metadata import LoadPlan
 
 logger = get_logger("tracing")
 
-DIRECTIONS = ("load", "save")
 SUMMARY_FIELDS = ("lifetime_s", "copy_s", "bytes")
-
-
-class TracedRequest(NamedTuple):
-    """A sampled request in a step, as the workers need it to join its trace."""
-
-    request_id: str
-    trace_id: int
-    span_id: int  # of the request's span on the scheduler
-    new: bool  # its first step: the prompt's KV is saved now
 
 
 class SpanContextIds(NamedTuple):
     trace_id: int
     span_id: int
 
-
-# Transfer summaries of traced requests, from the worker to the scheduler: request id -> (child name, direction)
-# -> [lifetime s, copy s, bytes].
-Summaries = dict[str, dict[tuple[str, str], list[float]]]
 
 _UNSEEN = object()  # a request no child was asked about yet
 # Breaker events that happen during a traced call, by the call's span id, until the call ends; shared by

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from kvcompose.tracing.attributes import ERROR_TYPE, REQUEST_ID
+from kvcompose.names import ERROR_TYPE, REQUEST_ID
 
 SCOPE_NAME = "kvcompose"
 

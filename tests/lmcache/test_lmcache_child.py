@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvcompose.metrics.summary import summarize
 from kvcompose.testing.tiny_model import prompt_words
-from kvcompose.tracing import attributes as attr
+from kvcompose import names as attr
 
 from ..engine_support import generate, in_process_llm
 from .cpu_copy_connector import install_on_import

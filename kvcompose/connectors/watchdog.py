@@ -14,9 +14,8 @@ nothing). Where a stack runs a composite's method (registered with
 that method's locals. The same call found at consecutive looks has run since
 the first: past the pipeline's ``watchdog_s`` it is logged at WARNING with the
 child's stack and reported stuck (:class:`StuckCalls`), and logged again when
-it returns. A call seen at two looks or more lands in the latency histogram
-with its duration, known to within a look, unless kvcompose timed it itself:
-a long call is never credited to a later, faster one by the sampling.
+it returns. The watchdog records no latency: kvcompose times every call it
+observes itself.
 """
 
 from __future__ import annotations
@@ -31,14 +30,13 @@ from time import monotonic
 from types import FrameType, FunctionType
 from typing import TYPE_CHECKING, Any
 
-from kvcompose.instrumentation.base import timed_call
+from kvcompose.instrumentation.base import RunningCalls
 from kvcompose.log_throttle import LogThrottle
 from kvcompose.logs import get_logger
 
 if TYPE_CHECKING:
     from kvcompose.connectors.calls import ChildCalls
     from kvcompose.connectors.children import Child
-    from kvcompose.instrumentation.base import Instrumentation
     from kvcompose.operations import Operation
 
 logger = get_logger("watchdog")
@@ -46,11 +44,6 @@ logger = get_logger("watchdog")
 POLL_S = 0.25
 STACK_FRAMES = 20  # of the child's stack, logged with a stuck call (the innermost ones)
 THREAD_NAME = "kvcompose-watchdog"
-_TIMED_CALL = timed_call.__code__
-
-# A composite's calls into children seen running at consecutive looks: (child name, operation label or name) ->
-# (seconds running, whether past watchdog_s: stuck).
-RunningCalls = dict[tuple[str, str], tuple[float, bool]]
 
 
 @dataclass
@@ -61,7 +54,6 @@ class _Watched:
     pipeline: str
     role: str
     calls: ChildCalls
-    instrumentation: Instrumentation | None
     watchdog_s: float
     on_running: Callable[[RunningCalls], None] | None
 
@@ -75,7 +67,6 @@ class _Running:
     watched: _Watched
     operation: Operation
     child: Child
-    timed: bool  # kvcompose times it itself
     first_seen: float
     last_seen: float
     warned: bool = False
@@ -102,8 +93,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     def watch(
-        self, composite: Any, pipeline: str, role: str, calls: ChildCalls, instrumentation: Instrumentation | None,
-        watchdog_s: float, on_running: Callable[[RunningCalls], None] | None = None,
+        self, composite: Any, pipeline: str, role: str, calls: ChildCalls, watchdog_s: float, on_running: Callable[[RunningCalls], None] | None = None,
     ) -> None:
         """Look at ``composite``'s calls into its children from now on (``on_running``: told the composite's calls
         seen running at consecutive looks, at every look while it has some, and once more when they are gone)."""
@@ -111,8 +101,8 @@ class Watchdog:
         codes = {function.__code__ for cls in type(composite).__mro__ if cls.__module__ == module
                  for function in vars(cls).values() if isinstance(function, FunctionType)}
         with self._lock:
-            self._watched[id(composite)] = _Watched(weakref.ref(composite), pipeline, role, calls, instrumentation,
-                                                    watchdog_s, on_running)
+            self._watched[id(composite)] = _Watched(weakref.ref(composite), pipeline, role, calls, watchdog_s,
+                                                    on_running)
             self._codes = self._codes | codes
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
@@ -160,10 +150,9 @@ class Watchdog:
 
     def _find_call(
         self, frame: FrameType, watched: dict[int, _Watched], codes: frozenset[Any],
-    ) -> tuple[FrameType, Any, _Watched, Operation, Child, bool] | None:
-        """(the composite's frame, the call it makes, its composite, operation, child, timed by kvcompose) of the
-        innermost composite method on this stack making a call into a child."""
-        inner: list[FrameType] = []
+    ) -> tuple[FrameType, Any, _Watched, Operation, Child] | None:
+        """(the composite's frame, the call it makes, its composite, operation, child) of the innermost composite
+        method on this stack making a call into a child."""
         current: FrameType | None = frame
         while current is not None:
             if current.f_code in codes:
@@ -173,10 +162,8 @@ class Watchdog:
                     return None
                 for value in current.f_locals.values():
                     if (owner := entry.calls.find(value)) is not None:
-                        timed = any(callee.f_code is _TIMED_CALL for callee in inner)
-                        return current, value, entry, owner[0], owner[1], timed
+                        return current, value, entry, owner[0], owner[1]
                 return None  # a composite method between its calls into children
-            inner.append(current)
             current = current.f_back
         return None
 
@@ -191,13 +178,10 @@ class Watchdog:
 
     def _returned(self, running: _Running) -> None:
         """A call seen at a look before has returned."""
-        seconds = running.seconds
         if running.warned:
             logger.warning("child call returned after running long", pipeline=running.watched.pipeline,
                            role=running.watched.role, connector=running.child.name,
-                           op=running.operation.label or running.operation.name, ran_s=round(seconds, 2))
-        if running.long and not running.timed and running.watched.instrumentation:
-            running.watched.instrumentation.slow_call(running.child.index, running.operation, seconds)
+                           op=running.operation.label or running.operation.name, ran_s=round(running.seconds, 2))
 
 
 def _child_stack(frame: FrameType, composite_frame: FrameType) -> list[str]:

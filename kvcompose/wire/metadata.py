@@ -1,12 +1,25 @@
-"""What the composite sends from the scheduler to its workers, and back."""
+"""What the composite sends from the scheduler to its workers each step, and what the workers send back."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvcompose.tracing.pipeline import Summaries, TracedRequest
+
+class TracedRequest(NamedTuple):
+    """A sampled request in a step, as the workers need it to join its trace."""
+
+    request_id: str
+    trace_id: int
+    span_id: int  # of the request's span on the scheduler
+    new: bool  # its first step: the prompt's KV is saved now
+
+
+# Transfer summaries of traced requests, from the worker to the scheduler: request id -> (child name, direction)
+# -> [lifetime s, copy s, bytes].
+Summaries = dict[str, dict[tuple[str, str], list[float]]]
 
 
 @dataclass(frozen=True)
@@ -37,8 +50,8 @@ class KVComposeMetadata(KVConnectorMetadata):
     saves: dict[str, int] | None = None
     # The step's sampled requests, so worker-side spans join their traces.
     traced_requests: tuple[TracedRequest, ...] | None = None
-    # The step runs no forward pass (the engine is about to go idle, or waits): the workers credit every
-    # operation's untimed calls in this step's stats (see kvcompose.instrumentation.sampling).
+    # The step runs no forward pass (the engine is about to go idle, or waits): the workers report what changed
+    # in this step's stats, as they may not take stats again for a while.
     flush_stats: bool = False
     # Prompt tokens the step prefills and the requests it decodes: the workers fit the engine's prefill cost
     # per token by them (kvcompose.instrumentation.economics).

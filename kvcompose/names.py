@@ -1,4 +1,7 @@
-"""Span names and attributes: ids, counts and timings only, never prompt content."""
+"""Span names and attribute keys, and how a failure is named: ids, counts and timings only, never prompt content.
+
+Neutral: read by the operations, the composite's isolation and tracing alike.
+"""
 
 from __future__ import annotations
 
