@@ -17,9 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.batch_scaling import ROUNDS as BATCH_SCALING_ROUNDS
+
 RESULTS = Path(__file__).resolve().parent / "results"
+E2E_ROUNDS = 32
 PARTS = ("hot_path", "request_cost", "request_rate", "transfer_cost", "watchdog", "stats_merge", "economics",
-         "end_to_end")
+         "end_to_end", "batch_scaling")
 
 
 def machine() -> dict[str, Any]:
@@ -34,8 +37,10 @@ def machine() -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit}
 
 
-def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
+def run(parts: tuple[str, ...], rounds: int | None) -> tuple[dict[str, Any], str]:
+    """``rounds``: of the engine parts (end_to_end, batch_scaling); None: each part's default."""
     from benchmarks import (
+        batch_scaling,
         economics,
         end_to_end,
         hot_path,
@@ -81,10 +86,15 @@ def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
                         + economics.table(sampled))
         checks += targets.economics_checks(sampled)
     if "end_to_end" in parts:
-        result["end_to_end"] = e2e = end_to_end.measure(rounds=rounds)
-        sections.append(f"### End to end (CPU engine, tiny model, median of {rounds} rounds)\n\n"
+        result["end_to_end"] = e2e = end_to_end.measure(rounds=rounds or E2E_ROUNDS)
+        sections.append(f"### End to end (CPU engine, tiny model, median of {e2e['rounds']} rounds)\n\n"
                         + end_to_end.table(e2e))
         checks += targets.end_to_end_checks(e2e)
+    if "batch_scaling" in parts:
+        result["batch_scaling"] = scaled = batch_scaling.measure(rounds=rounds or BATCH_SCALING_ROUNDS)
+        sections.append(f"### Batch scaling (CPU engine, tiny model, OffloadingConnector and a no-op child, "
+                        f"median of {scaled['rounds']} rounds)\n\n" + batch_scaling.table(scaled))
+        checks += targets.batch_scaling_checks(scaled)
     result["targets"] = targets.as_records(checks)
     described = result["machine"]
     header = (f"Measured {described['date']} on {described['cpu']} ({described['cores']} cores), "
@@ -96,7 +106,9 @@ def run(parts: tuple[str, ...], rounds: int) -> tuple[dict[str, Any], str]:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    parser.add_argument("--rounds", type=int, default=32, help="end-to-end measurements per configuration")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"rounds of the engine parts (default: end_to_end {E2E_ROUNDS}, batch_scaling "
+                        f"{BATCH_SCALING_ROUNDS})")
     args = parser.parse_args()
     parts = tuple(part for part in args.parts.split(",") if part)
     if unknown := set(parts) - set(PARTS):

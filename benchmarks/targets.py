@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks import end_to_end
+from benchmarks import batch_scaling, end_to_end
 from benchmarks.hot_path import MOVING
 
 HOT_PATH_MAX_VS_MULTI = 2.0  # kvcompose (metrics on, tracing off) per call / MultiConnector's
@@ -30,6 +30,12 @@ TRANSFER_TRACKING_MAX_US = 1.0  # engine-thread CPU per transfer, tracing off
 # The scheduler's SHARDS sampler, per admitted request, as a share of vLLM's own hashing of its blocks.
 SAMPLER_MAX_PERCENT_OF_HASHING = 2.0
 WATCHDOG_MAX_PERCENT_OF_A_CORE = 0.1  # its looks, on its own thread; the calls into children pay nothing
+# Batch scaling (an offload child and a no-op child), at every batch size: process CPU per output token (the
+# engine's and the span exporter's) over MultiConnector's, and step tracing's time to first token and tokens/s.
+BATCH_SHIPPED_MAX_CPU_VS_MULTI = 1.02  # kvcompose as shipped: metrics on, tracing off
+BATCH_SAMPLED_MAX_CPU_VS_MULTI = 1.03  # request tracing of 10% of requests
+BATCH_STEP_MAX_TTFT_VS_MULTI = 1.10
+BATCH_STEP_MIN_TOKENS_VS_MULTI = 0.93
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,32 @@ def end_to_end_checks(result: dict[str, Any]) -> list[Check]:
         checks.append(Check(f"memory, tracing endpoint unreachable: RSS growth <= tracing off's + "
                             f"{UNREACHABLE_MAX_EXTRA_RSS_MIB:.0f} MiB", f"{extra:+.1f} MiB",
                             extra <= UNREACHABLE_MAX_EXTRA_RSS_MIB))
+    return checks
+
+
+def batch_scaling_checks(result: dict[str, Any]) -> list[Check]:
+    """Per batch size, each figure beside what two identical MultiConnector engines read apart in the same
+    rounds."""
+    checks = []
+    for batch, measured in result["batches"].items():
+        ratios = measured["ratios"]
+        twin = ratios.get(batch_scaling.TWIN)
+        for name, label, figure, limit, at_most in (
+            ("kvc_shipped", "process CPU per output token, kvcompose as shipped", "cpu_us_per_token",
+             BATCH_SHIPPED_MAX_CPU_VS_MULTI, True),
+            ("kvc_request10", "process CPU per output token, 10% of requests traced", "cpu_us_per_token",
+             BATCH_SAMPLED_MAX_CPU_VS_MULTI, True),
+            ("kvc_step", "time to first token, step tracing", "ttft_ms", BATCH_STEP_MAX_TTFT_VS_MULTI, True),
+            ("kvc_step", "tokens/s, step tracing", "tokens_per_s", BATCH_STEP_MIN_TOKENS_VS_MULTI, False),
+        ):
+            if (ratio := ratios.get(name)) is None:
+                continue
+            low, high = ratio[f"{figure}_middle_half"]
+            value = (f"{ratio[figure]:.3f}x (middle half of rounds {low:.3f}..{high:.3f})"
+                     + ("" if twin is None else f"; two identical MultiConnector engines: {twin[figure]:.3f}x"))
+            met = ratio[figure] <= limit if at_most else ratio[figure] >= limit
+            checks.append(Check(f"batch of {batch}: {label} {'<=' if at_most else '>='} {limit}x MultiConnector",
+                                value, met))
     return checks
 
 

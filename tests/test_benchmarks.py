@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from benchmarks import end_to_end, hot_path, loop_shapes, stats_merge, targets
+from benchmarks import batch_scaling, end_to_end, hot_path, loop_shapes, stats_merge, targets
 from kvcompose.tracing import set_span_exporter
 
 from .span_support import FlushedSpans
@@ -97,7 +97,7 @@ def test_stats_merge_sums_every_worker_and_sizes_the_payload() -> None:
 def test_stats_merge_adds_up_what_each_worker_counted() -> None:
     from benchmarks.connectors import kvcompose_connector, pipeline
 
-    worker = kvcompose_connector(pipeline(2, per_layer=True, sample_every=1), "worker")
+    worker = kvcompose_connector(pipeline(2, per_layer=True), "worker")
     merged = stats_merge.merge([stats_merge._stats_after(worker, steps) for steps in (1, 2, 3)])
 
     for child in ("c0", "c1"):
@@ -176,6 +176,96 @@ def test_end_to_end_summary_takes_ratios_within_each_round() -> None:
     # Per call: the median over rounds of each call's time (get_kv_connector_stats: 10, 5 and 20 under multi).
     assert result["medians"]["multi"][end_to_end.BY_CALL] == {"get_kv_connector_stats": 10.0, "save_kv_layer": 50.0}
     assert "| get_kv_connector_stats | 10.0 | 10.0 | 9.8 |" in end_to_end.table(result)
+
+
+@pytest.mark.parametrize("name", batch_scaling.CONFIGURATIONS)
+def test_batch_scaling_configurations_are_valid_kv_transfer_configs(name: str) -> None:
+    from vllm.config import KVTransferConfig
+
+    endpoint = "http://127.0.0.1:1/v1/traces"
+    config = batch_scaling.kv_transfer_config(name, endpoint)
+    KVTransferConfig(**config)
+    if name.startswith("multi"):
+        children = config["kv_connector_extra_config"]["connectors"]
+        assert [child["kv_connector"] for child in children] == ["OffloadingConnector", "NoopConnector"]
+        return
+    pipeline = config["kv_connector_extra_config"]["pipeline"]
+    assert [child["connector"] for child in pipeline["children"]] == ["OffloadingConnector", "NoopConnector"]
+    assert "metrics" not in pipeline  # as shipped: kvcompose's defaults
+    tracing = pipeline.get("tracing", {})
+    assert tracing.get("enabled", False) == (name in batch_scaling.TRACING)
+    if name in batch_scaling.TRACING:
+        assert tracing["endpoint"] == endpoint and tracing["exporter"] == "otlp"
+        assert {key: tracing[key] for key in ("granularity", "sample_ratio")} == batch_scaling.TRACING[name]
+
+
+def test_batch_scaling_charges_each_measurement_the_exporter_cpu_until_its_engines_next() -> None:
+    """An engine answers each batch with its exporter's CPU since its previous batch began: that is the previous
+    batch's (its spans are exported after it ends); the last batch's comes with the stop."""
+
+    class Engine:
+        def __init__(self, name: str) -> None:
+            self.name, self.traced, self.ended, self.asked = name, False, 0.0, 0
+
+        def ask(self, command: str) -> dict[str, Any]:
+            if command == "ready":
+                return {"ready": True}
+            self.asked += 1
+            batch = int(command.split()[1])
+            return {"batch": batch, "tokens": batch * 64, "engine_cpu_s": 0.01 * batch, "wall_s": 1.0,
+                    "tokens_per_s": 1.0, "ttft_ms": 1.0, "loaded_tokens": 0, "exporter_s_before": 0.001 * self.asked}
+
+        def stop(self) -> dict[str, Any]:
+            return {"exporter_s_before": 0.5}
+
+    engines = [Engine("multi"), Engine("kvc_step")]
+    measured, seconds = batch_scaling.run_rounds(engines, rounds=2)  # type: ignore[arg-type]
+
+    assert set(seconds) == {"start_s", "rounds_s"}
+    sequence = [measured[round_index][batch]["kvc_step"] for round_index in range(2)
+                for batch in batch_scaling.BATCHES]
+    # The n-th batch is charged what the (n+1)-th answer reported; the last one what the stop did.
+    assert [figures["exporter_cpu_s"] for figures in sequence] == pytest.approx([0.002, 0.003, 0.004, 0.005, 0.006,
+                                                                                 0.5])
+    first = sequence[0]
+    assert first["cpu_us_per_token"] == pytest.approx(1e6 * (first["engine_cpu_s"] + 0.002) / first["tokens"])
+
+
+def test_batch_scaling_summary_takes_ratios_within_each_round() -> None:
+    def figures(batch: int, cpu_us: float, tokens_per_s: float = 1000.0, ttft_ms: float = 10.0) -> dict[str, Any]:
+        tokens = batch * batch_scaling.OUTPUT_TOKENS
+        return {"batch": batch, "tokens": tokens, "cpu_us_per_token": cpu_us, "engine_us_per_token": cpu_us - 1,
+                "exporter_us_per_token": 1.0, "tokens_per_s": tokens_per_s, "ttft_ms": ttft_ms,
+                "loaded_tokens": batch // 2 * 128}
+
+    # Per round the machine's speed differs; within it kvcompose as shipped costs 1% more CPU per token than
+    # MultiConnector, 10% request tracing 2%, step tracing 5%, with 3% fewer tokens/s and 8% longer TTFT.
+    rounds = [{batch: {"multi": figures(batch, 100 * speed, 1000 / speed, 10 * speed),
+                       "multi_twin": figures(batch, 100.5 * speed, 1000 / speed, 10 * speed),
+                       "kvc_shipped": figures(batch, 101 * speed, 1000 / speed, 10 * speed),
+                       "kvc_request10": figures(batch, 102 * speed, 1000 / speed, 10 * speed),
+                       "kvc_step": figures(batch, 105 * speed, 970 / speed, 10.8 * speed)}
+               for batch in batch_scaling.BATCHES} for speed in (1.0, 1.5, 0.8)]
+    result = {**batch_scaling.summarize(rounds), "seconds": {"start_s": 40.0, "rounds_s": 60.0},
+              "exported": {"requests": 3, "bytes": 4096}}
+
+    largest = result["batches"][256]
+    assert largest["ratios"]["kvc_shipped"]["cpu_us_per_token"] == pytest.approx(1.01)
+    assert largest["ratios"]["kvc_step"]["tokens_per_s"] == pytest.approx(0.97)
+    assert largest["ratios"]["kvc_step"]["ttft_ms"] == pytest.approx(1.08)
+    # 5 us per token over MultiConnector's 100 in the middle round: 64 tokens a request, 320 us.
+    assert largest["ratios"]["kvc_step"]["extra_cpu_us_per_request"] == pytest.approx(320.0)
+    assert largest["medians"]["multi"]["cpu_us_per_token"] == 100
+    assert "multi" not in largest["ratios"]
+    checks = targets.batch_scaling_checks(result)
+    assert len(checks) == 4 * len(batch_scaling.BATCHES)
+    assert [check.met for check in checks[:4]] == [True, True, True, True]
+    assert checks[0].target == "batch of 8: process CPU per output token, kvcompose as shipped <= 1.02x MultiConnector"
+    assert checks[0].value.endswith("; two identical MultiConnector engines: 1.005x")
+    rendered = batch_scaling.table(result)
+    assert "| 256 | kvc_step | 105.0 | 1.0 | 1.050 (1.050..1.050) | +320 | 970 | 0.970 | 10.8 | 1.080 | 16384 |" \
+        in rendered
+    assert len([line for line in rendered.splitlines() if line.startswith("| 8 |")]) == len(rounds[0][8])
 
 
 def test_otlp_sink_accepts_a_real_export() -> None:
