@@ -2,7 +2,8 @@
 # `make test-compat`: kvcompose on the older vLLM releases it supports.
 #
 # Per release (venvs from scripts/ensure-compat-venvs.sh): the tests that touch
-# vLLM's connector API, then one real-engine test (two ExampleConnector
+# vLLM's connector API and the connector adapters' contracts (the vLLM classes
+# and fields kvcompose reads), then one real-engine test (two ExampleConnector
 # children; the repeated prompt loads from the first; tokens equal a plain
 # engine's). vLLM 0.32 is the main venv's (`make test`); 0.33 has no CPU build
 # and is checked against its API set by tests/test_conformance.py in both.
@@ -10,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 unit_tests=(
+    tests/test_adapters.py
     tests/test_compat.py
     tests/test_conformance.py
     tests/test_differential.py
