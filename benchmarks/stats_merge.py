@@ -35,7 +35,7 @@ def _stats_after(worker: Any, steps: int) -> Any:
 
 def merge(stats: list[Any]) -> Any:
     """Fold the workers' stats as vLLM's KVOutputAggregator does."""
-    from kvcompose.metrics.stats import KVComposeStats
+    from kvcompose.wire.stats import KVComposeStats
 
     merged = KVComposeStats()
     for worker_stats in stats:
@@ -52,8 +52,8 @@ def wire_bytes(stats: Any) -> int:
 
 def bound_bytes(children: list[str], buckets: int) -> int:
     """Size of the largest payload a pipeline of ``children`` can send: every cell used, every number long."""
-    from kvcompose.metrics.stats import KVComposeStats
-    from kvcompose.metrics.table import COUNTERS, OPS, CallTable
+    from kvcompose.wire.calls import COUNTERS, OPS, CallTable
+    from kvcompose.wire.stats import KVComposeStats
 
     cells = {cell: [2**62, 1 / 3] for cell in range(len(children) * len(OPS) * buckets)}
     table = CallTable(children, buckets, cells, [2**62] * (len(children) * len(COUNTERS)))

@@ -181,7 +181,7 @@ def _hit_ratio_drop(p: Mapping[str, Value]) -> Rule:
     )
 
 
-# What each reason of kvcompose_spans_dropped_total means (kvcompose/metrics/telemetry.py).
+# What each reason of kvcompose_spans_dropped_total means (kvcompose/wire/telemetry.py).
 _DROP_CAUSES = {
     "queue_full": "its export queue is full, so the OTLP collector is unreachable or slower than the span rate",
     "export_failed": "the OTLP collector refused them",

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from kvcompose.metrics.table import COUNTERS
 from kvcompose.testing import recording
 from kvcompose.testing.steps import forward_step
+from kvcompose.wire.calls import COUNTERS
 
 from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
 
@@ -150,7 +150,7 @@ def test_load_errors_of_tensor_parallel_workers_count_as_vllm_merges_them(
 
 
 def test_a_block_that_fails_again_in_a_later_step_counts_again(vllm_config_with: Callable) -> None:
-    from kvcompose.metrics.stats import KVComposeStats
+    from kvcompose.wire.stats import KVComposeStats
 
     scheduler, worker = composite_pair(vllm_config_with, _pipeline({"hot": {"load_errors": [5]}}))
     steps = []

@@ -19,13 +19,20 @@ import pytest
 import yaml
 
 from kvcompose.dashboard.queries import ENGINE_SERIES
-from kvcompose.metrics.economics import GPU
 from kvcompose.metrics.summary import summarize
-from kvcompose.metrics.telemetry import DROP_REASONS
 from kvcompose.testing.tiny_model import prompt_words
+from kvcompose.wire.economics import GPU
+from kvcompose.wire.telemetry import DROP_REASONS
 
 from .dashboard_support import (
-    REPO, dashboards, fill, label_values_parts, metrics_read, query_and_scope, targets, variable_queries,
+    REPO,
+    dashboards,
+    fill,
+    label_values_parts,
+    metrics_read,
+    query_and_scope,
+    targets,
+    variable_queries,
 )
 from .prometheus_support import SCRAPE_INTERVAL_S, api, instant, start_prometheus, wait
 

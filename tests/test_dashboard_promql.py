@@ -26,7 +26,14 @@ import yaml
 from kvcompose.dashboard import QUERIES
 
 from .dashboard_support import (
-    NATIVE_PIPELINE, dashboards, fill, label_values_parts, metrics_read, query_and_scope, targets, variable_queries,
+    NATIVE_PIPELINE,
+    dashboards,
+    fill,
+    label_values_parts,
+    metrics_read,
+    query_and_scope,
+    targets,
+    variable_queries,
 )
 
 STEP_S = 15
@@ -355,7 +362,8 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     from prometheus_client.parser import text_string_to_metric_families
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-        OffloadingConnectorStats, get_connector_metric_definitions,
+        OffloadingConnectorStats,
+        get_connector_metric_definitions,
     )
     from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
@@ -364,11 +372,11 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
     from kvcompose.connectors import KVComposeConnector
     from kvcompose.connectors.children import child_specs
     from kvcompose.live import engine_ids
-    from kvcompose.metrics.economics import GPU, EconomicsReport
-    from kvcompose.metrics.native import NativeStats, class_path
     from kvcompose.metrics.recorder import PipelineRecorder
     from kvcompose.metrics.transfers import TransferRecorder
     from kvcompose.operations import OPERATIONS
+    from kvcompose.wire.economics import GPU, EconomicsReport
+    from kvcompose.wire.native import NativeStats, class_path
 
     registry = CollectorRegistry()
     metric_types: dict[type, Any] = {kind: functools.partial(kind, registry=registry)
@@ -430,7 +438,7 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
 def _publish_stuck_calls(prom: Any, engine_id: str, running: list[list[Any]]) -> None:
     """What the engine's watchdog publishes on its live board while calls are stuck, read by the front-end."""
     from kvcompose.live import board
-    from kvcompose.metrics.telemetry import LIVE_RUNNING_CALLS
+    from kvcompose.wire.telemetry import LIVE_RUNNING_CALLS
 
     live = board(engine_id)
     try:

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from kvcompose.instrumentation.economics import PrefillCost, tier_capacity_blocks
-from kvcompose.metrics.economics import EconomicsReport, EconomicsSeries
-from kvcompose.metrics.stats import ECONOMICS_KEY, KVComposeStats
+from kvcompose.metrics.economics import EconomicsSeries
+from kvcompose.wire.economics import EconomicsReport
+from kvcompose.wire.stats import ECONOMICS_KEY, KVComposeStats
 
 
 def _series() -> tuple[EconomicsSeries, Callable[[str], dict[tuple[tuple[str, str], ...], float]]]:

@@ -378,8 +378,9 @@ LIFECYCLE_OPERATIONS = (
 def _live_through_the_composite(scheduler: Any, worker: Any, request_ids: list[str], hit: int) -> None:
     """vLLM's calls for each request, one request per step: lookup, allocation, the step's metadata, the
     worker's step, finish. Every third request is aborted while waiting: finished after its lookup."""
-    from .connector_support import make_blocks, make_request, scheduler_output
     from kvcompose.testing.steps import forward_step
+
+    from .connector_support import make_blocks, make_request, scheduler_output
 
     for index, request_id in enumerate(request_ids):
         request = make_request(request_id)
@@ -493,7 +494,7 @@ def test_inner_stats_and_metrics_survive_the_wrapper(vllm_config_with: Callable)
 
     from kvcompose.connectors import FaultInjectionConnector, KVComposeConnector
     from kvcompose.connectors.fault_injection import InnerConnectorStats
-    from kvcompose.metrics.native import NativeStats, class_path
+    from kvcompose.wire.native import NativeStats, class_path
 
     def inner_stats(load_bytes: int) -> InnerConnectorStats:
         stats = OffloadingConnectorStats()

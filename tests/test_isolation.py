@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from kvcompose.connectors.isolation import BreakerState
-from kvcompose.metrics.table import CallTable
 from kvcompose.testing import recording
 from kvcompose.testing.steps import forward_step
+from kvcompose.wire.calls import CallTable
 
 from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
 

@@ -1,8 +1,12 @@
-"""The package's shape: no import cycle between its modules.
+"""The package's shape: data flows one way, and no module imports another that imports it back.
 
-A module imports another at module level (outside ``if TYPE_CHECKING:`` and
-outside functions); those imports must form no cycle, so each concept can be
-read, and imported, on its own.
+Every import counts: at module level, under ``if TYPE_CHECKING:`` and inside
+functions. The layers, each importing only those below it:
+
+    connectors -> instrumentation -> signals (metrics, tracing, economics) -> neutral modules
+
+Neutral modules (the wire formats, the operations, span names, child specs,
+the connector adapters, config) import no layer above them.
 """
 
 from __future__ import annotations
@@ -12,6 +16,15 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvcompose"
 
+# Each layer's packages and modules, top down.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("kvcompose.connectors",),
+    ("kvcompose.instrumentation",),
+    ("kvcompose.metrics", "kvcompose.tracing", "kvcompose.economics"),
+    ("kvcompose.wire", "kvcompose.adapters", "kvcompose.operations", "kvcompose.names", "kvcompose.child_spec",
+     "kvcompose.config"),
+)
+
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -19,18 +32,21 @@ def _module_name(path: Path) -> str:
 
 
 def _imported(path: Path, modules: set[str]) -> set[str]:
-    """The kvcompose modules ``path`` imports at module level."""
-    tree = ast.parse(path.read_text())
+    """The kvcompose modules ``path`` imports, wherever the import stands."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in found if name in modules}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*parent, *([node.module] if node.module else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {module for module in found if module in modules}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -67,12 +83,52 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _layer(module: str) -> int | None:
+    for depth, layer in enumerate(LAYERS):
+        if any(module == top or module.startswith(top + ".") for top in layer):
+            return depth
+    return None
+
+
+def _top(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that go up the layers."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        for other in sorted(imported):
+            mine, theirs = _layer(module), _layer(other)
+            if mine is None or theirs is None or _top(module) == _top(other):
+                continue
+            if theirs < mine:
+                found.append(f"{module} -> {other}")
+    return found
+
+
 def test_the_package_has_no_import_cycle() -> None:
     graph = _graph()
     assert "kvcompose.instrumentation" in graph["kvcompose.connectors.composite"]  # the graph sees imports
+    assert "kvcompose.child_spec" in graph["kvcompose.instrumentation.base"]  # ... under TYPE_CHECKING too
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
-def test_a_cycle_is_found_where_there_is_one() -> None:
+def test_no_package_imports_a_package_that_imports_it_back() -> None:
+    graph = _graph()
+    packages: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        packages.setdefault(_top(module), set()).update(_top(other) for other in imported if _top(other) != _top(module))
+    assert _cycle(packages) is None, " -> ".join(_cycle(packages) or [])
+
+
+def test_data_flows_one_way_through_the_layers() -> None:
+    assert _upward(_graph()) == []
+
+
+def test_a_cycle_and_an_upward_import_are_found_where_there_are_some() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+    assert _upward({"kvcompose.metrics.recorder": {"kvcompose.connectors.children"},
+                    "kvcompose.connectors.composite": {"kvcompose.wire.stats"}}) == [
+        "kvcompose.metrics.recorder -> kvcompose.connectors.children"]

@@ -142,7 +142,7 @@ def test_the_front_end_gauge_follows_the_engine_and_stays_true_without_stats(
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     from kvcompose.connectors import KVComposeConnector
-    from kvcompose.metrics.stats import TELEMETRY_KEY
+    from kvcompose.wire.stats import TELEMETRY_KEY
 
     engine_id = f"e-{uuid.uuid4()}"
     config = vllm_config_with({

@@ -36,8 +36,8 @@ def _payload(child: str, hits: int) -> dict[str, Any]:
     """What a step with ``hits`` lookup hits by ``child`` sends to the front-end."""
     from kvcompose.config import DEFAULT_LATENCY_BUCKETS
     from kvcompose.metrics.recorder import PipelineRecorder
-    from kvcompose.metrics.stats import KVComposeStats
     from kvcompose.operations import OPERATIONS
+    from kvcompose.wire.stats import KVComposeStats
 
     recorder = PipelineRecorder(True, DEFAULT_LATENCY_BUCKETS, [child])
     slot = recorder.slot(0, recorder.label(OPERATIONS["get_num_new_matched_tokens"]))

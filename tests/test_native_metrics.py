@@ -19,7 +19,7 @@ def test_two_offloading_children_register_and_observe_per_child(vllm_config_with
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
     from kvcompose.connectors import KVComposeConnector
-    from kvcompose.metrics.native import NativeStats, class_path
+    from kvcompose.wire.native import NativeStats, class_path
 
     registry = CollectorRegistry()
     metric_types: dict[type, Any] = {

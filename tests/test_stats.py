@@ -17,13 +17,12 @@ from hypothesis import strategies as st
 from kvcompose.config import DEFAULT_LATENCY_BUCKETS
 from kvcompose.metrics import recorder as recorder_module
 from kvcompose.metrics.recorder import PipelineRecorder
-from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
-from kvcompose.metrics.telemetry import DROP_REASONS
-from kvcompose.metrics import table as table_module
-from kvcompose.metrics.table import COUNTERS, OPS, CallTable
-from kvcompose.metrics.transfers import FAILURES, TransferTable
-from kvcompose.operations import DIRECTIONS
-from kvcompose.operations import FAILED_LOOKUP, OPERATIONS
+from kvcompose.operations import DIRECTIONS, FAILED_LOOKUP, OPERATIONS
+from kvcompose.wire import calls as table_module
+from kvcompose.wire.calls import COUNTERS, OPS, CallTable
+from kvcompose.wire.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
+from kvcompose.wire.telemetry import DROP_REASONS
+from kvcompose.wire.transfers import FAILURES, TransferTable
 
 BOUNDS = (0.001, 0.01, 0.1)
 
@@ -99,17 +98,17 @@ def merged(*parts: dict[str, Any], dense: bool = False) -> dict[str, Any]:
 def canonical(payload: dict[str, Any]) -> dict[str, Any]:
     """The payload with its cells (and exemplars) in index order, as JSON sees it."""
     if (calls := payload["calls"]) is not None:
-        _sort_cells(calls, "calls")
+        _sort_cells(calls["cells"])
     if (transfers := payload[TRANSFERS_KEY]) is not None:
-        _sort_cells(transfers["cells"], "transfers")
-        _sort_cells(transfers["copy"], "transfers")
+        _sort_cells(transfers["cells"])
+        _sort_cells(transfers["copy"])
         transfers["exemplars"].sort()
     return json.loads(json.dumps(payload, sort_keys=True))
 
 
-def _sort_cells(cells: dict[str, Any], count_name: str) -> None:
-    rows = sorted(zip(cells["cells"], cells[count_name], cells["seconds"], strict=True))
-    cells["cells"], cells[count_name], cells["seconds"] = ([row[i] for row in rows] for i in range(3))
+def _sort_cells(cells: dict[str, Any]) -> None:
+    rows = sorted(zip(cells["cells"], cells["counts"], cells["seconds"], strict=True))
+    cells["cells"], cells["counts"], cells["seconds"] = ([row[i] for row in rows] for i in range(3))
 
 
 @settings(max_examples=200, deadline=None)
@@ -157,7 +156,7 @@ def test_aggregate_does_not_modify_a_childs_native_stats() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
-    from kvcompose.metrics.native import NativeStats, class_path
+    from kvcompose.wire.native import NativeStats, class_path
 
     stats = OffloadingConnectorStats()
     stats.increase_counter("vllm:kv_offload_load_bytes", 5)
@@ -293,7 +292,7 @@ def test_payload_size_is_bounded_whatever_the_traffic() -> None:
     bound = leaves(KVComposeStats(data={"calls": every_cell_used}).to_dict())
     for calls in (300, 30_000):
         payload = payload_after(calls)
-        assert sum(payload["calls"]["calls"]) == calls and leaves(payload) <= bound
+        assert sum(payload["calls"]["cells"]["counts"]) == calls and leaves(payload) <= bound
 
 
 def leaves(value: Any) -> int:

@@ -22,10 +22,11 @@ from hypothesis import given, settings
 
 from kvcompose.config import DEFAULT_TRANSFER_BUCKETS
 from kvcompose.exposition import read
-from kvcompose.metrics.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
-from kvcompose.metrics.telemetry import DROP_REASONS, TelemetryCounters
-from kvcompose.metrics.transfers import FAILURES, TransferRecorder, TransferTable
+from kvcompose.metrics.transfers import TransferRecorder
 from kvcompose.operations import DIRECTIONS
+from kvcompose.wire.stats import TELEMETRY_KEY, TRANSFERS_KEY, KVComposeStats
+from kvcompose.wire.telemetry import DROP_REASONS, TelemetryCounters
+from kvcompose.wire.transfers import FAILURES, TransferTable
 
 from .prometheus_support import api, wait
 from .server_support import free_port
@@ -57,7 +58,7 @@ def test_recorder_buckets_bytes_in_flight_failures_and_exemplars() -> None:
 
     table = recorder.take()
     assert table is not None and table.buckets == len(BOUNDS) + 1
-    assert {table.lane(cell // table.buckets) + (cell % table.buckets,): entry
+    assert {table.at(cell // table.buckets) + (cell % table.buckets,): entry
             for cell, entry in table.cells.items()} == {
         ("hot", "load", 0): [2, 0.0015], ("hot", "load", 3): [1, 5.0], ("remote", "save", 2): [1, 0.05]}
     assert table.transfers("hot", "load") == 3 and table.transfers("cold", "save") == 0
@@ -196,7 +197,7 @@ def test_payload_size_is_bounded_whatever_the_traffic() -> None:
     bound = leaves(KVComposeStats(data={TRANSFERS_KEY: full}).to_dict())
     for transfers in (300, 30_000):
         payload = payload_after(transfers)
-        assert sum(payload[TRANSFERS_KEY]["cells"]["transfers"]) == transfers and leaves(payload) <= bound
+        assert sum(payload[TRANSFERS_KEY]["cells"]["counts"]) == transfers and leaves(payload) <= bound
 
 
 # --- Prometheus --------------------------------------------------------------------------------

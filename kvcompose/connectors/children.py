@@ -13,13 +13,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvcompose.child_spec import ChildSpec
 from kvcompose.compat import check_name_lookups
 from kvcompose.config import ChildConfig, KVRole, Pipeline, load_pipeline
-from kvcompose.metrics.native import class_path
+from kvcompose.wire.native import class_path
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvcompose.connectors.isolation import ChildGuard
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 PIPELINE_KEY = "pipeline"
 

@@ -66,11 +66,11 @@ from kvcompose.connectors.policies import POLICIES
 from kvcompose.connectors.watchdog import watchdog
 from kvcompose.instrumentation import SchedulerInstrumentation, WorkerInstrumentation, instrument
 from kvcompose.logs import configure_logging, get_logger
-from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.prometheus import KVComposePromMetrics
-from kvcompose.metrics.stats import BREAKERS_KEY, NATIVE_KEY, KVComposeStats
 from kvcompose.operations import FAILED, OPERATIONS, Operation
 from kvcompose.wire.metadata import KVComposeMetadata, KVComposeWorkerMetadata, LoadPlan
+from kvcompose.wire.native import NativeStats
+from kvcompose.wire.stats import BREAKERS_KEY, NATIVE_KEY, KVComposeStats
 
 logger = get_logger("connector")
 

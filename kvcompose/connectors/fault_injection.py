@@ -48,7 +48,7 @@ from kvcompose.compat import check_name_lookups, supports_sleep_mode
 from kvcompose.connectors.children import child_transfer_config
 from kvcompose.faults import FaultInjectionConfig, FaultPlan, Faults, describe, fault_injection_config
 from kvcompose.logs import get_logger
-from kvcompose.metrics.native import STATS_KEY, NativeStats, class_path
+from kvcompose.wire.native import STATS_KEY, NativeStats, class_path
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

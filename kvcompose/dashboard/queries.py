@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvcompose.metrics.economics import GPU
+from kvcompose.wire.economics import GPU
 
 RATE_INTERVAL = "$__rate_interval"
 ENGINE_MATCHERS = ('model_name=~"$model_name"', 'engine=~"$engine"')

@@ -23,16 +23,15 @@ from dataclasses import dataclass
 from time import time_ns
 from typing import TYPE_CHECKING, Any
 
-from kvcompose.operations import CircuitOpen
 from kvcompose.instrumentation.transfers import StepWaits
-from kvcompose.metrics.recorder import PipelineRecorder
-from kvcompose.metrics.stats import CALLS_KEY, TELEMETRY_KEY, TRANSFERS_KEY
 from kvcompose.live import board
-from kvcompose.metrics.telemetry import LIVE_RUNNING_CALLS
+from kvcompose.metrics.recorder import PipelineRecorder
 from kvcompose.metrics.transfers import TransferRecorder
-from kvcompose.operations import Failed, Granularity, LookupRound, Operation
 from kvcompose.names import qualified_name
+from kvcompose.operations import CircuitOpen, Failed, Granularity, LookupRound, Operation
 from kvcompose.tracing.pipeline import CallSpan, PipelineTracer, SpanContextIds, pipeline_tracer
+from kvcompose.wire.stats import CALLS_KEY, TELEMETRY_KEY, TRANSFERS_KEY
+from kvcompose.wire.telemetry import LIVE_RUNNING_CALLS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -36,9 +36,9 @@ import math
 from time import monotonic
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvcompose.economics.sizes import bytes_to_blocks, size_grid, tier_reaches
 from kvcompose.economics.shards import ReuseDistanceSampler
-from kvcompose.metrics.economics import GPU, EconomicsReport
+from kvcompose.economics.sizes import bytes_to_blocks, size_grid, tier_reaches
+from kvcompose.wire.economics import GPU, EconomicsReport
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

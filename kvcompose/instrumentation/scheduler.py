@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from kvcompose.instrumentation.base import Instrumentation
 from kvcompose.instrumentation.economics import StreamSampler
 from kvcompose.instrumentation.transfers import completion_mode, job_requests
-from kvcompose.metrics.stats import ECONOMICS_KEY
 from kvcompose.operations import LookupRound
+from kvcompose.wire.stats import ECONOMICS_KEY
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

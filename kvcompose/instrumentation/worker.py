@@ -22,9 +22,9 @@ from kvcompose.instrumentation.base import Instrumentation, engine_id_of
 from kvcompose.instrumentation.economics import PrefillCost
 from kvcompose.instrumentation.transfers import StepWaits, TransferTracker, bytes_per_block, is_first_worker
 from kvcompose.metrics.recorder import DENSE_FROM_WORKERS
-from kvcompose.metrics.stats import ECONOMICS_KEY
 from kvcompose.operations import DIRECTIONS, FAILED, Failed, Operation
 from kvcompose.wire.metadata import Summaries
+from kvcompose.wire.stats import ECONOMICS_KEY
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,13 +1,4 @@
-"""Tier economics as the stats carry them, and the series the front-end makes of them.
-
-The scheduler knows the engine's prefix-block stream (its hit-ratio curve by
-cache size, from kvcompose.economics.shards), the GPU cache and each tier's
-capacity (the GPU cache's is 0 with prefix caching off: it serves no prefix
-hits), the reuse distances each loading tier serves, and the bytes of a
-block; a worker measures what prefilling a token costs the engine. Each
-reports what changed, at most every few seconds, as an
-:class:`EconomicsReport` in its stats; merged reports keep the latest of each
-figure (they are levels, not counts).
+"""The tier economics series the front-end makes of the engine's reports (kvcompose.wire.economics).
 
 The front-end (:class:`EconomicsSeries`) sets the gauges, and prices what each
 tier loaded: ``kvcompose_prefill_seconds_saved_total{connector}`` grows by the
@@ -19,49 +10,11 @@ known are priced once it is).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-GPU = "gpu"  # kvcompose_tier_capacity_blocks' connector label for the GPU cache
-
-
-@dataclass
-class EconomicsReport:
-    """What changed in a process's view of the tiers' economics since its last report (None: unchanged)."""
-
-    curve: list[list[float]] | None = None  # [size in blocks, estimated LRU hit ratio], by size
-    capacities: dict[str, int] | None = None  # tier (or "gpu": 0 with prefix caching off) -> blocks it holds
-    reaches: dict[str, list[int]] | None = None  # loading tier -> [start, end) of the reuse distances it serves
-    block_bytes: int | None = None  # bytes of one KV block, over every layer and worker
-    write_waste: dict[str, float] | None = None  # tier -> estimated share of its saved blocks never read from it
-    prefill_seconds_per_token: float | None = None  # the engine's fitted marginal prefill cost per token
-
-    def add(self, other: EconomicsReport) -> None:
-        """Take ``other``'s figures where it has any: the later report of a level wins."""
-        for each in fields(self):
-            if (value := getattr(other, each.name)) is not None:
-                setattr(self, each.name, value)
-
-    def is_empty(self) -> bool:
-        return all(getattr(self, each.name) is None for each in fields(self))
-
-    def copy(self) -> EconomicsReport:
-        return EconomicsReport(**self.to_dict())
-
-    def reduce(self) -> dict[str, int | float]:
-        """For vLLM's log line: the prefill cost, when reported."""
-        if self.prefill_seconds_per_token is None:
-            return {}
-        return {"prefill_us_per_token": round(self.prefill_seconds_per_token * 1e6, 3)}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {each.name: getattr(self, each.name) for each in fields(self)}
-
-    @classmethod
-    def from_payload(cls, payload: EconomicsReport | dict[str, Any]) -> EconomicsReport:
-        return payload if isinstance(payload, EconomicsReport) else cls(**payload)
+from kvcompose.wire.economics import GPU, EconomicsReport
 
 
 class EconomicsSeries:

@@ -1,7 +1,7 @@
 """Prometheus histograms fed a whole cell (a bucket's count and summed seconds) at a time.
 
 The engine reports its calls and transfers as cells (see
-:mod:`kvcompose.metrics.table`); the front-end turns each cell back into
+:mod:`kvcompose.wire.calls`); the front-end turns each cell back into
 observations through the series' public ``observe``. prometheus_client has no
 public way to add to a bucket in bulk (its maintainers point to custom
 collectors, which neither vLLM's metric types, Ray's among them, nor

@@ -20,23 +20,24 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import REGISTRY
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-from kvcompose.instrumentation.transfers import copy_source
+from kvcompose.adapters.completion import copy_source
 from kvcompose.live import LiveView, engine_ids
+from kvcompose.metrics.economics import EconomicsSeries
 from kvcompose.metrics.histograms import CellAdder, cell_adder
-from kvcompose.metrics.native import NativeStats
 from kvcompose.metrics.running_calls import RunningCallSeries
-from kvcompose.metrics.economics import EconomicsReport, EconomicsSeries
-from kvcompose.metrics.stats import BREAKERS_KEY, CALLS_KEY, ECONOMICS_KEY, NATIVE_KEY, TELEMETRY_KEY, TRANSFERS_KEY
-from kvcompose.metrics.table import COUNTERS, CallTable
-from kvcompose.metrics.telemetry import DROP_REASONS, LIVE_SPANS_QUEUED, TelemetryCounters
 from kvcompose.metrics.transfer_series import TransferSeries
-from kvcompose.metrics.transfers import TransferTable
+from kvcompose.wire.calls import COUNTERS, CallTable
+from kvcompose.wire.economics import EconomicsReport
+from kvcompose.wire.native import NativeStats
+from kvcompose.wire.stats import BREAKERS_KEY, CALLS_KEY, ECONOMICS_KEY, NATIVE_KEY, TELEMETRY_KEY, TRANSFERS_KEY
+from kvcompose.wire.telemetry import DROP_REASONS, LIVE_SPANS_QUEUED, TelemetryCounters
+from kvcompose.wire.transfers import TransferTable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+    from kvcompose.child_spec import ChildSpec
     from kvcompose.config import Pipeline
-    from kvcompose.connectors.children import ChildSpec
 
 CONNECTOR_LABEL = "connector"
 METRIC_PREFIX = "kvcompose_"

@@ -17,7 +17,7 @@ instrumentation:
 - tokens loaded, at that first admission, for the child chosen to load (if it accepted), and the tokens a
   loader had beyond them (forgone by the load policy);
 - blocks that failed to load, as block ids per scheduler step (see
-  :class:`~kvcompose.metrics.table.CallTable`), so merging the workers' stats
+  :class:`~kvcompose.wire.calls.CallTable`), so merging the workers' stats
   takes the union vLLM takes;
 - every failure a child call raised (from its guard).
 
@@ -30,14 +30,14 @@ the stats hold a lock.
 from __future__ import annotations
 
 import threading
-from bisect import bisect_left
 from collections.abc import Collection, Sequence
 
-from kvcompose.metrics.table import COUNTERS, OPS, CallTable, Cells, ErrorCounts, LoadErrors
 from kvcompose.operations import FAILED_LOOKUP, Granularity, Operation
+from kvcompose.wire.calls import COUNTERS, OPS, CallTable, ErrorCounts, LoadErrors
+from kvcompose.wire.grid import Cells, observe
 
 # From this many workers up, a worker ships its table dense: the scheduler then
-# merges each worker's table in one array operation (see kvcompose.metrics.table).
+# merges each worker's table in one array operation (see kvcompose.wire.calls).
 DENSE_FROM_WORKERS = 8
 
 # Timed calls kept unbucketed before they are folded into the table; bounds the
@@ -160,11 +160,5 @@ class PipelineRecorder:
         land after the ones taken, and stay."""
         entries = self._pending[:]
         del self._pending[: len(entries)]
-        buckets = len(self._bounds) + 1
         for slot, seconds in entries:
-            cell = slot * buckets + bisect_left(self._bounds, seconds)  # Prometheus' le: the bound is inclusive
-            if (counts := self._bucketed.get(cell)) is None:
-                self._bucketed[cell] = [1, seconds]
-            else:
-                counts[0] += 1
-                counts[1] += seconds
+            observe(self._bucketed, slot, self._bounds, seconds)

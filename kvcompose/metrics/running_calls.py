@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client import Gauge
 
 from kvcompose.live import LiveView
-from kvcompose.metrics.telemetry import LIVE_RUNNING_CALLS
+from kvcompose.wire.telemetry import LIVE_RUNNING_CALLS
 
 STUCK = 3  # kvcompose_child_state while a call into the child is stuck
 ROLES = ("scheduler", "worker")

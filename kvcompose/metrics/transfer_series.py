@@ -29,8 +29,8 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 
 from kvcompose.metrics.histograms import CellAdder, cell_adder
-from kvcompose.metrics.transfers import FAILURES, TransferTable
 from kvcompose.operations import DIRECTIONS
+from kvcompose.wire.transfers import FAILURES, TransferTable
 
 
 @dataclass

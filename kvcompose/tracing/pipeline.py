@@ -38,16 +38,16 @@ from dataclasses import dataclass, field
 from time import time_ns
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvcompose import names as attr
 from kvcompose.config import Pipeline
 from kvcompose.live import board
 from kvcompose.logs import CURRENT_CALL, get_logger
-from kvcompose.metrics.telemetry import LIVE_SPANS_QUEUED, TelemetryCounters
 from kvcompose.operations import DIRECTIONS, Operation
-from kvcompose import names as attr
 from kvcompose.tracing.records import IDS, parse_traceparent
 from kvcompose.tracing.sampling import Sampling, sampling_for
 from kvcompose.tracing.shipping import SpanShipper, shipper_for
 from kvcompose.wire.metadata import Summaries, TracedRequest
+from kvcompose.wire.telemetry import LIVE_SPANS_QUEUED, TelemetryCounters
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -51,7 +51,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from kvcompose.config import LoggingSection, TracingSection
 from kvcompose.logs import get_logger
-from kvcompose.metrics.telemetry import DROP_REASONS, TelemetryCounters
+from kvcompose.wire.telemetry import DROP_REASONS, TelemetryCounters
 from kvcompose.tracing import export_process
 from kvcompose.tracing.export_process import RECORDS_FRAME, TEMPLATES_FRAME
 from kvcompose.tracing.outbox import Outbox, drain_for

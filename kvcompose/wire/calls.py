@@ -1,9 +1,7 @@
-"""CallTable: every child's calls since the last report, in cells of a fixed grid.
+"""CallTable: every child's calls since the last report, in the cells of a grid (kvcompose.wire.grid).
 
-A cell is one (child, operation, latency bucket); the last bucket is +Inf.
-Each cell used holds its call count and summed seconds, so the front-end can
-replay exact bucket counts and the exact ``_sum`` into any Prometheus
-histogram with the same bounds. ``counters`` count what the calls meant
+A cell is one (child, operation, latency bucket), with its call count and
+summed seconds. ``counters`` count what the calls meant
 (lookup hits, tokens), per child. Errors, rare and keyed by exception type,
 are kept apart.
 
@@ -15,8 +13,7 @@ step, so a block counts once, whichever workers reported it; keying by step
 keeps a block that fails again in a later step (block ids are reused) counted
 again, whatever tables are merged.
 
-The grid depends on the pipeline only, so a table is never larger than the
-grid, whatever the traffic. A step uses a few cells: they are kept sparse, in
+A step uses a few cells: they are kept sparse, in
 plain Python, as that is what costs least on an engine step. Merging many
 large tables (64 workers of 16 children) goes through a dense array of the
 whole grid instead: the workers of a large engine ship their tables dense
@@ -33,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvcompose.operations import TIMED_LABELS
+from kvcompose.wire.grid import Cells, Grid, add_cells, cells_from_dict, cells_to_dict
 
 # The operations recorded, as Prometheus' ``op`` label names them (see kvcompose.operations).
 OPS: tuple[str, ...] = TIMED_LABELS
@@ -41,33 +39,19 @@ COUNTERS: tuple[str, ...] = ("lookup_hits", "lookup_misses", "matched_tokens", "
 # A merge that would leave more cells than this adds dense arrays instead.
 SPARSE_MERGE_LIMIT = 256
 
-Cells = dict[int, list[Any]]  # cell index -> [calls, seconds]
 ErrorCounts = dict[str, dict[str, dict[str, int]]]  # child -> op -> exception type -> calls
 LoadErrors = dict[str, dict[int, set[int]]]  # child -> scheduler step -> ids of the blocks that failed to load
 
 
-def add_cells(into: Cells, cells: Cells) -> None:
-    """Add each cell's count and seconds into ``into`` (``cells`` is not modified)."""
-    for cell, (count, total) in cells.items():
-        if (mine := into.get(cell)) is None:
-            into[cell] = [count, total]
-        else:
-            mine[0] += count
-            mine[1] += total
+class CallTable(Grid):
+    COLUMNS = OPS
+    WHAT = "call"
 
-
-def cell_index(row: int, column: int, bucket: int, buckets: int) -> int:
-    """The cell of child ``row``, operation ``column`` (in ``OPS``) and latency ``bucket``."""
-    return (row * len(OPS) + column) * buckets + bucket
-
-
-class CallTable:
     def __init__(
         self, children: Sequence[str], buckets: int, cells: Cells | None = None, counters: list[int] | None = None,
         errors: ErrorCounts | None = None, load_errors: LoadErrors | None = None,
     ) -> None:
-        self.children = tuple(children)
-        self.buckets = buckets
+        super().__init__(children, buckets)
         self._cells: Cells = cells if cells is not None else {}
         self._dense: np.ndarray | None = None  # [cell] -> (calls, seconds), while merging many tables
         self.counters = counters if counters is not None else [0] * (len(self.children) * len(COUNTERS))
@@ -93,12 +77,7 @@ class CallTable:
             self._cells = {}
 
     def add(self, other: CallTable) -> None:
-        """Add ``other``'s counts into this table (``other``'s counts are not modified)."""
-        if other.children != self.children or other.buckets != self.buckets:
-            raise ValueError(
-                f"kvcompose: cannot merge call tables of different pipelines ({self.children} with "
-                f"{self.buckets} buckets, {other.children} with {other.buckets})"
-            )
+        self.check_mergeable(other)
         if other._dense is not None:
             self.densify()
             self._dense += other._dense
@@ -131,8 +110,7 @@ class CallTable:
     # ---- reading one child ----
 
     def call_count(self, child: str, op: str) -> int:
-        first = cell_index(self.children.index(child), OPS.index(op), 0, self.buckets)
-        return sum(count for cell, (count, _) in self.cells.items() if first <= cell < first + self.buckets)
+        return self.totals(self.cells, child, op)[0]
 
     def counter(self, child: str, name: str) -> int:
         return self.counters[self.children.index(child) * len(COUNTERS) + COUNTERS.index(name)]
@@ -143,8 +121,7 @@ class CallTable:
 
     def operation_of(self, cell: int) -> tuple[str, str]:
         """The (child, op) a cell counts calls of."""
-        row, column = divmod(cell // self.buckets, len(OPS))
-        return self.children[row], OPS[column]
+        return self.at(cell // self.buckets)
 
     def by_operation(self) -> dict[tuple[str, str], tuple[int, float]]:
         """(child, op) -> (calls, seconds), over every bucket, for the operations called."""
@@ -169,24 +146,11 @@ class CallTable:
     # ---- crossing processes as plain data ----
 
     def to_dict(self) -> dict[str, Any]:
-        cells = self.cells
         return {"children": list(self.children), "ops": list(OPS), "counter_names": list(COUNTERS),
-                "buckets": self.buckets, "cells": list(cells), "calls": [entry[0] for entry in cells.values()],
-                "seconds": [entry[1] for entry in cells.values()], "counters": list(self.counters),
+                "buckets": self.buckets, "cells": cells_to_dict(self.cells), "counters": list(self.counters),
                 "errors": self.errors,
                 "load_errors": {child: [[step, sorted(block_ids)] for step, block_ids in sorted(by_step.items())]
                                 for child, by_step in self.load_errors.items()}}
-
-    def copy(self) -> CallTable:
-        """A table of its own with this one's counts."""
-        copy = CallTable(self.children, self.buckets)
-        copy.add(self)
-        return copy
-
-    @classmethod
-    def from_payload(cls, payload: CallTable | dict[str, Any]) -> CallTable:
-        """The table itself, or rebuilt from its dict after a process hop."""
-        return payload if isinstance(payload, CallTable) else cls.from_dict(payload)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CallTable:
@@ -195,9 +159,8 @@ class CallTable:
                 "kvcompose: stats from a different kvcompose version (operations or counters differ); "
                 "run one kvcompose version across the engine and its front-end"
             )
-        cells = {cell: [count, seconds] for cell, count, seconds in
-                 zip(data["cells"], data["calls"], data["seconds"], strict=True)}
         errors = {child: {op: dict(by_type) for op, by_type in by_op.items()} for child, by_op in data["errors"].items()}
         load_errors = {child: {step: set(block_ids) for step, block_ids in by_step}
                        for child, by_step in data["load_errors"].items()}
-        return cls(data["children"], data["buckets"], cells, list(data["counters"]), errors, load_errors)
+        return cls(data["children"], data["buckets"], cells_from_dict(data["cells"]), list(data["counters"]), errors,
+                   load_errors)

@@ -23,11 +23,11 @@ from typing import Any, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvcompose.metrics.economics import EconomicsReport
-from kvcompose.metrics.native import NativeStats
-from kvcompose.metrics.table import CallTable
-from kvcompose.metrics.telemetry import TelemetryCounters
-from kvcompose.metrics.transfers import TransferTable
+from kvcompose.wire.calls import CallTable
+from kvcompose.wire.economics import EconomicsReport
+from kvcompose.wire.native import NativeStats
+from kvcompose.wire.telemetry import TelemetryCounters
+from kvcompose.wire.transfers import TransferTable
 
 CALLS_KEY = "calls"
 NATIVE_KEY = "native"
