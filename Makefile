@@ -14,8 +14,8 @@ test: venv
 test-compat:
 	@scripts/test-compat.sh
 
-# Optional, not in `make test` or CI: vLLM's LMCacheConnectorV1 as a kvcompose child, in its own venv
-# (scripts/ensure-lmcache-venv.sh) with a test-only CPU copy shim (tests/lmcache).
+# vLLM's LMCacheConnectorV1 as a kvcompose child (in CI after test-compat; not in `make test`), in its own venv
+# (scripts/ensure-lmcache-venv.sh, built once over the test venv) with a test-only CPU copy shim (tests/lmcache).
 test-lmcache: venv
 	KVCOMPOSE_TEST_LMCACHE=1 PYTHONHASHSEED=0 PYTHONPATH=$(CURDIR) \
 		"$$(scripts/ensure-lmcache-venv.sh)/bin/python" -m pytest -q tests/lmcache

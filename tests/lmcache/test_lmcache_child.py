@@ -36,9 +36,13 @@ class LMCacheEngine:
         self.llm, self.disk, self.spans = llm, disk, spans
 
     def transfers(self) -> list[tuple[str, str, str]]:
+        """(child, direction, outcome) of each transfer span, named ``kvcompose.transfer <direction> <child>``."""
+        spans = [span for span in self.spans.get_finished_spans() if span.name.startswith(f"{attr.TRANSFER_SPAN} ")]
+        for span in spans:
+            assert span.name == f"{attr.TRANSFER_SPAN} {span.attributes[attr.TRANSFER_DIRECTION]} " \
+                                f"{span.attributes[attr.CONNECTOR_NAME]}"
         return sorted((span.attributes[attr.CONNECTOR_NAME], span.attributes[attr.TRANSFER_DIRECTION],
-                       span.attributes[attr.TRANSFER_OUTCOME])
-                      for span in self.spans.get_finished_spans() if span.name == "kvcompose.transfer")
+                       span.attributes[attr.TRANSFER_OUTCOME]) for span in spans)
 
     def lookups(self) -> dict[str, dict[str, float]]:
         from prometheus_client import generate_latest
