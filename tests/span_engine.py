@@ -2,7 +2,7 @@
 
 It ships SPANS span records through a real :class:`ProcessShipper` (so its
 exporter process is its own, as an engine's is), prints ``shipped`` once the
-outboxes' thread has handed them to the ring and the exporter has read them,
+outboxes' thread has handed them to the exporter and the exporter has read them,
 and then waits to be killed;
 a line on its stdin makes it close the shipper (a clean shutdown) and exit.
 """
@@ -14,10 +14,9 @@ import time
 
 from kvcompose.config import TracingSection
 from kvcompose.tracing.records import IDS, SpanRecord
-from kvcompose.tracing.ring import READ
+from kvcompose.tracing.handover import EXPORTER_MODULE
 from kvcompose.tracing.shipping import ProcessShipper
 
-EXPORT_MODULE = "kvcompose.tracing.export_process"
 TEMPLATE = ("kvcompose.lookup", {"kvcompose.connector.name": "hot"}, ("kvcompose.tokens.matched",))
 
 
@@ -32,8 +31,9 @@ def main(endpoint: str, spans: int, flush_s: float) -> None:
     shipper = ProcessShipper(TracingSection(enabled=True, endpoint=endpoint, shutdown_flush_s=flush_s), "0")
     outbox = shipper.outbox()
     outbox.extend(records(shipper, spans, IDS.trace_id()))
-    while outbox or not shipper._exporter or not shipper._exporter.ring.counter(READ):  # shipped, and read:
-        time.sleep(0.01)  # the exporter has started, as a serving engine's long has
+    # Shipped, and read: the exporter has started, as a serving engine's long has.
+    while not shipper._exporter or shipper._exporter.shipped < spans or shipper._exporter.unread():
+        time.sleep(0.01)
     print("shipped", flush=True)
     sys.stdin.readline()
     shipper.release(outbox)
@@ -52,7 +52,7 @@ def exporter_pids(engine_pid: int) -> list[int]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
         command = process.info["cmdline"] or []
-        if EXPORT_MODULE in command and (at := command.index(EXPORT_MODULE)) > 0 and command[at - 1] == "-m" \
+        if EXPORTER_MODULE in command and (at := command.index(EXPORTER_MODULE)) > 0 and command[at - 1] == "-m" \
                 and command[at + 1] == str(engine_pid):
             found.append(process.pid)
     return found

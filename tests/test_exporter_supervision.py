@@ -21,9 +21,9 @@ from kvcompose.logs import ROOT_LOGGER, get_logger
 from kvcompose.testing.otlp_receiver import SpanReceiver
 from kvcompose.tracing.export_process import ENGINE_END_WAIT_S
 from kvcompose.tracing.records import IDS
-from kvcompose.tracing.ring import PID
 from kvcompose.tracing.shipping import FIRST_RESTART_S, ProcessShipper
 
+from .served_tracing import kvcompose_files_of
 from .span_engine import exporter_pids, records
 from .span_support import wait_until
 
@@ -45,8 +45,9 @@ def kvcompose_log() -> Iterator[io.StringIO]:
 def _exporter_pid(shipper: ProcessShipper) -> int:
     exporter = shipper._exporter
     assert exporter is not None
-    wait_until(lambda: exporter.ring.counter(PID) != 0)
-    return exporter.ring.counter(PID)
+    wait_until(lambda: exporter.pid is not None)
+    assert exporter.pid is not None
+    return exporter.pid
 
 
 def _ended(pid: int) -> bool:
@@ -57,10 +58,6 @@ def _ended(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def _shm_rings() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("kvcompose-spans")}
 
 
 def test_a_killed_exporter_is_logged_once_restarted_and_every_span_is_delivered_or_counted(
@@ -77,8 +74,8 @@ def test_a_killed_exporter_is_logged_once_restarted_and_every_span_is_delivered_
         sent += 100                                         # for a batch: it dies with them
         exporter = shipper._exporter
         assert exporter is not None
-        wait_until(lambda: not exporter.ring.unread())
-        first = exporter.ring.counter(PID)
+        wait_until(lambda: not exporter.unread())
+        first = _exporter_pid(shipper)
         os.kill(first, signal.SIGKILL)
         for _ in range(10):  # while it is dead, and while its replacement waits and starts
             shipper.ship(records(shipper, 20, IDS.trace_id()))
@@ -139,11 +136,10 @@ def test_an_exporter_that_cannot_start_is_retried_with_growing_delays_and_logged
 def test_the_exporter_outlives_an_engine_killed_with_its_process_tree() -> None:
     """vLLM's SIGTERM handling under `vllm serve` SIGKILLs every descendant of the engine, then the engine
     (vllm.utils.system_utils.kill_process_tree): what the engine shipped still reaches the collector, within the
-    flush time, and no ring file is left anywhere."""
+    flush time, and no file of its is left in /dev/shm."""
     from vllm.utils.system_utils import kill_process_tree
 
     receiver = SpanReceiver()
-    rings_before = _shm_rings()
     engine = subprocess.Popen([sys.executable, "-m", "tests.span_engine", receiver.endpoint, "300", str(FLUSH_S)],
                               cwd=REPOSITORY, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
@@ -157,7 +153,7 @@ def test_the_exporter_outlives_an_engine_killed_with_its_process_tree() -> None:
     finally:
         engine.kill()
         receiver.stop()
-    assert _shm_rings() == rings_before
+    assert kvcompose_files_of([engine.pid, exporter]) == set()
     assert _ended(exporter)
 
 

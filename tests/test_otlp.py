@@ -5,7 +5,6 @@ from __future__ import annotations
 from kvcompose.testing.otlp_receiver import SpanReceiver
 from kvcompose.tracing.exporters import span_exporter
 from kvcompose.tracing.records import IDS, SpanRecord, resource_for, to_readable_spans
-from kvcompose.tracing.ring import EXPORTED, UNREADABLE, Ring
 
 TEMPLATES = [
     ("kvcompose.request", {"kvcompose.pipeline": "tiers"}, ("kvcompose.tokens.prompt",)),
@@ -56,18 +55,16 @@ def test_records_reach_the_collector_as_the_spans_they_describe() -> None:
 def test_the_exporter_process_gives_any_exporter_sdk_spans_and_accounts_for_each() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from kvcompose.tracing.export_process import RECORDS_FRAME, TEMPLATES_FRAME, _Exporting
+    from kvcompose.tracing.export_process import _Exporting
+    from kvcompose.tracing.handover import RECORDS_FRAME, TEMPLATES_FRAME, Accounts
 
     exporter = InMemorySpanExporter()
-    ring = Ring.create(data_bytes=4096)
-    try:
-        exporting = _Exporting(exporter, ring, "svc", "0")
-        exporting.receive((TEMPLATES_FRAME, TEMPLATES))
-        exporting.receive((RECORDS_FRAME, RECORDS))
-        assert exporting.flush(5.0) == 0
-        counts = ring.counter(EXPORTED), ring.counter(UNREADABLE)
-    finally:
-        ring.close()
+    reports: list[Accounts] = []  # as sent to the engine
+    exporting = _Exporting(exporter, reports.append, "svc", "0")
+    exporting.receive((TEMPLATES_FRAME, TEMPLATES))
+    exporting.receive((RECORDS_FRAME, RECORDS))
+    assert exporting.flush(5.0) == 0
+    counts = reports[-1].exported, reports[-1].unreadable
 
     spans = exporter.get_finished_spans()
     assert [span.context.span_id for span in spans] == [SpanRecord(*record).span_id for record in RECORDS[:-1]]

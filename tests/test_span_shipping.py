@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -14,8 +13,8 @@ import pytest
 from kvcompose.config import TracingSection
 from kvcompose.testing.otlp_receiver import SpanReceiver
 from kvcompose.tracing.export_process import CHECK_ENGINE_S, READ_EVERY_S
+from kvcompose.tracing.handover import EngineLink, ExporterLink
 from kvcompose.tracing.records import IDS, SpanRecord
-from kvcompose.tracing.ring import READ, SLEEPING, Ring
 from kvcompose.tracing.sampling import Sampling, sampling_for
 from kvcompose.tracing.shipping import ProcessShipper
 
@@ -78,30 +77,30 @@ def test_a_sleeping_exporter_is_woken_by_a_ship() -> None:
     shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
     try:
         shipper.ship(_records(shipper, 2, IDS.trace_id()))
-        assert shipper._exporter is not None
-        ring = shipper._exporter.ring  # the counters both processes share
-        assert ring is not None
-        for _ in range(3):  # each time: it took everything and fell asleep; a ship wakes it
-            wait_until(lambda: ring.counter(SLEEPING) == 1 and not ring.unread())
+        exporter = shipper._exporter
+        assert exporter is not None
+        for _ in range(3):  # each time: it took everything, and its next read found nothing: asleep; a ship wakes it
+            wait_until(lambda: not exporter.unread())
+            time.sleep(1.5 * READ_EVERY_S)
             shipper.ship(_records(shipper, 2, IDS.trace_id()))
-            wait_until(lambda: not ring.unread(), timeout_s=CHECK_ENGINE_S / 2)
+            wait_until(lambda: not exporter.unread(), timeout_s=CHECK_ENGINE_S / 2)
     finally:
         shipper.close()
         receiver.stop()
 
 
 @contextlib.contextmanager
-def _exporter_that_just_read() -> Iterator[tuple[ProcessShipper, Ring]]:
+def _exporter_that_just_read() -> Iterator[tuple[ProcessShipper, ExporterLink]]:
     """A shipper whose exporter process has just read its first ship (records came: it reads again in
-    READ_EVERY_S, unless woken), and the ring between them."""
+    READ_EVERY_S, unless woken), and the engine's end of the pipes between them."""
     receiver = SpanReceiver()
     shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
     try:
         shipper.ship(_records(shipper, 2, IDS.trace_id()))
-        assert shipper._exporter is not None
-        ring = shipper._exporter.ring
-        wait_until(lambda: not ring.unread())
-        yield shipper, ring
+        exporter = shipper._exporter
+        assert exporter is not None
+        wait_until(lambda: not exporter.unread())
+        yield shipper, exporter
     finally:
         shipper.close()
         receiver.stop()
@@ -110,29 +109,30 @@ def _exporter_that_just_read() -> Iterator[tuple[ProcessShipper, Ring]]:
 def test_while_records_keep_coming_the_exporter_reads_on_its_schedule_not_at_every_ship() -> None:
     """A wake-up costs the exporter about 0.1 ms of CPU, and a tracing engine ships ten times a second: once
     awake it reads every READ_EVERY_S, not once per ship."""
-    with _exporter_that_just_read() as (shipper, ring):
-        reads, last_read, ships = 0, ring.counter(READ), 0
+    with _exporter_that_just_read() as (shipper, exporter):
+        reads, unread, ships = 0, 0, 0
         began = time.monotonic()
         while (elapsed := time.monotonic() - began) < 2 * READ_EVERY_S:
             if elapsed >= ships * 0.05:  # twenty ships a second
                 shipper.ship(_records(shipper, 2, IDS.trace_id()))
-                ships += 1
-            if (read := ring.counter(READ)) != last_read:
-                reads, last_read = reads + 1, read
+                ships, unread = ships + 1, exporter.unread()
+            if (now_unread := exporter.unread()) < unread:  # only a read takes bytes out of the pipe
+                reads += 1
+            unread = now_unread
             time.sleep(0.001)
     assert ships >= 30
     assert 1 <= reads <= 4, f"{reads} reads for {ships} ships in {2 * READ_EVERY_S} s"
 
 
-def test_a_ring_half_full_wakes_the_exporter_before_its_next_read() -> None:
-    with _exporter_that_just_read() as (shipper, ring):
+def test_a_pipe_half_full_wakes_the_exporter_before_its_next_read() -> None:
+    with _exporter_that_just_read() as (shipper, exporter):
         shipper.ship(_records(shipper, 2, IDS.trace_id()))
         time.sleep(READ_EVERY_S / 10)
-        assert ring.unread(), "read at once: the exporter is woken by every ship"
+        assert exporter.unread(), "read at once: the exporter is woken by every ship"
         shipped = time.monotonic()
-        while not ring.half_full():
+        while 2 * exporter.unread() <= exporter.capacity:
             shipper.ship(_records(shipper, 2000, IDS.trace_id()))
-        wait_until(lambda: not ring.unread(), timeout_s=READ_EVERY_S)
+        wait_until(lambda: not exporter.unread(), timeout_s=READ_EVERY_S)
         assert time.monotonic() - shipped < READ_EVERY_S * 0.9
 
 
@@ -181,20 +181,25 @@ def test_sampling_follows_the_caller_and_the_ratio_on_trace_ids() -> None:
     assert not Sampling(parent_based=False, root_ratio=0.0).sampled(1, parent_sampled=True)
 
 
-def test_the_ring_keeps_frames_in_order_across_its_end_and_refuses_what_does_not_fit(tmp_path: Any) -> None:
-    from kvcompose.tracing.ring import Ring
+def test_the_pipe_keeps_frames_in_order_and_refuses_whole_what_does_not_fit(monkeypatch: Any) -> None:
+    import os
 
-    writer = Ring.create(data_bytes=256)
-    reader = Ring.attach(os.dup(writer.fd))
-    sent = []
-    for round_index in range(20):  # 20 x ~100 bytes through 256: wraps many times
-        frame = [round_index, "x" * 80]
-        assert writer.append(frame)
-        sent.append(frame)
+    from kvcompose.tracing import handover
+
+    monkeypatch.setattr(handover, "PIPE_BYTES", 4 * 4096)  # the least a pipe holds is a page; room: 2 pages
+    writer = ExporterLink({"settings": 1})
+    accounts_read, accounts_write = os.pipe()
+    reader = EngineLink(os.dup(writer._data_read), os.dup(writer._wake_read), accounts_write)
+    assert reader.take() == [{"settings": 1}]
+    for round_index in range(200):  # 200 x ~1 KiB through 16 KiB: many times its size
+        frame = ("r", [round_index, "x" * 1000])
+        assert writer.append(*frame)
         assert reader.take() == [frame]
-    assert writer.append(["y" * 120]) and not writer.append(["z" * 120])  # the second has no room
-    assert reader.take() == [["y" * 120]]
-    assert writer.append(["z" * 120])
-    assert reader.take() == [["z" * 120]]
+    assert writer.append("r", ["y" * 4000]) and not writer.append("r", ["z" * 5000])  # the second has no room
+    assert writer.unread_records() == [["y" * 4000]]  # written, not yet read
+    assert reader.take() == [("r", ["y" * 4000])] and writer.unread_records() == []
+    assert writer.append("r", ["z" * 5000])
+    assert reader.take() == [("r", ["z" * 5000])]
     writer.close()
-    reader.close()
+    for fd in (accounts_read, accounts_write):
+        os.close(fd)

@@ -2,41 +2,38 @@
 
 Started by :class:`kvcompose.tracing.shipping.ProcessShipper`, one per engine
 process that traces, so that building and encoding spans (most of tracing's
-cost) never runs on the engine's CPU. Its arguments: the engine's process id,
-the file descriptor of the engine's :class:`Ring`, and that of a pipe the
-engine watches (its end closes when this process ends, however it ends).
+cost) never runs on the engine's CPU. Its arguments: the engine's process id
+and the file descriptors of the pipes from and to the engine
+(:mod:`kvcompose.tracing.handover`).
 
 Outside the engine's process tree: on SIGTERM, ``vllm serve`` SIGKILLs every
 descendant of its engine processes at once (``--shutdown-timeout`` 0, the
 default, gives them no time), and the spans the engine shipped last would die
 with an exporter among them. So the engine starts it through a launcher that
-forks it and exits at once (:mod:`kvcompose.tracing.shipping`): the exporter
+forks it and exits at once (:mod:`kvcompose.tracing.handover`): the exporter
 lives on outside the tree, notices the engine's end (see
-:class:`_EngineWatch`), reads what is left in the ring, exports it within the
+:class:`_EngineWatch`), reads what is left in the pipe, exports it within the
 flush time the engine sent (``flush_s``) and exits. What is still queued then
-is counted (the ring's ``shutdown`` counter) and logged. An engine killed
+is counted (its ``shutdown`` account) and logged. An engine killed
 before its ``atexit`` leaves its live files (:mod:`kvcompose.live`): the
 exporter removes them.
 
 Schedule: every wake-up costs the exporter CPU, and the engine ships ten
 times a second while it traces, so the exporter is not woken by every ship:
-while records keep coming it reads the ring every :data:`READ_EVERY_S`,
-woken early only if the ring is half full. Once a read
-finds nothing it sleeps until the engine ships again: the engine writes a byte
-to this process's stdin after shipping records if it finds this process asleep
-(the ring's ``sleeping`` counter). The first frame holds the settings
-(``service_name``, ``exporter``, ``endpoint``, ``version``, ``flush_s``,
-``log_format``, ``log_level``); every later one is ``("t", [span templates])``
-or ``("r", [span records])`` (see :mod:`kvcompose.tracing.records`).
+while records keep coming it reads the data pipe every :data:`READ_EVERY_S`,
+woken early only by the engine finding the pipe half full. Once a read finds
+nothing it waits on the data pipe itself, until the engine ships again. The
+first frame holds the settings (``service_name``, ``exporter``, ``endpoint``,
+``version``, ``flush_s``, ``log_format``, ``log_level``).
 
 Spans become SDK ``ReadableSpan`` objects and go out through the exporter's
 public ``SpanExporter.export``; for OTLP/HTTP that exporter brings the
 endpoint, headers, TLS, compression, retries and the ``OTEL_EXPORTER_OTLP_*``
 settings. They wait in a bounded queue (:data:`MAX_QUEUED_SPANS`): an
 unreachable collector makes it drop and count, never grow. Every span ends in
-one of the ring's accounts (exported, or dropped by reason), written as it
-happens, so the engine knows at any time how many wait and, if this process
-dies, how many died with it.
+one of its accounts (exported, or dropped by reason), sent to the engine as
+they change, so the engine knows at any time how many wait and, if this
+process dies, how many died with it.
 """
 
 from __future__ import annotations
@@ -46,23 +43,12 @@ import select
 import signal
 import sys
 import threading
-import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcompose.live import process_alive, remove_files_of
-from kvcompose.tracing.ring import (
-    CLOSED,
-    EXPORT_FAILED,
-    EXPORTED,
-    PID,
-    QUEUE_FULL,
-    SHUTDOWN_LOST,
-    SLEEPING,
-    UNREADABLE,
-    Ring,
-)
+from kvcompose.tracing.handover import TEMPLATES_FRAME, Accounts, EngineLink
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -73,7 +59,7 @@ EXPORT_BATCH = 512
 # batch processor waits 5 s): an export request costs the exporter's client CPU whatever its size, and on a
 # machine of few cores that CPU is taken from the engine's neighbour.
 EXPORT_INTERVAL_S = 2.0
-# While records keep coming, the ring is read this often (spans then wait for a batch: EXPORT_INTERVAL_S).
+# While records keep coming, the data pipe is read this often (spans then wait for a batch: EXPORT_INTERVAL_S).
 READ_EVERY_S = 1.0
 # Asleep with no news this long, the exporter checks that its engine still runs (where the kernel cannot tell it
 # at once: no pidfd).
@@ -81,17 +67,18 @@ CHECK_ENGINE_S = 5.0
 # Once done, the exporter waits this long for its engine to end (vLLM kills an engine process it asked to stop
 # after 5 s by default), to remove the live files an engine killed before its atexit leaves.
 ENGINE_END_WAIT_S = 5.0
-TEMPLATES_FRAME, RECORDS_FRAME = "t", "r"
 
 
 class _Exporting:
-    """The bounded queue of spans, the thread that drains it into the exporter, and the ring's span accounts."""
+    """The bounded queue of spans, the thread that drains it into the exporter, and the span accounts, sent to
+    ``report`` whole as they change."""
 
-    def __init__(self, exporter: SpanExporter, ring: Ring, service_name: str, version: str) -> None:
+    def __init__(self, exporter: SpanExporter, report: Callable[[Accounts], None], service_name: str,
+                 version: str) -> None:
         from kvcompose.tracing.records import resource_for
 
         self._exporter = exporter
-        self._ring = ring
+        self._report = report
         self._resource = resource_for(service_name)
         self._version = version
         self._templates: list[Sequence[Any]] = []
@@ -100,9 +87,7 @@ class _Exporting:
         self._spans_waiting = threading.Event()  # set while the queue holds spans
         self._batch_full = threading.Event()  # ... EXPORT_BATCH of them, or flushing
         self._flushing = threading.Event()
-        # Each account is written by one thread: queue_full and unreadable by the reading (main) thread,
-        # exported and export_failed by the exporting one.
-        self._queue_full = self._unreadable = self._exported = self._failed = 0
+        self._accounts = Accounts()  # replaced under the lock: the reading (main) and exporting threads report
         self._in_flight = 0  # spans of the export running now
         self._flushed = False  # flush() is over: what is left is counted lost
         self._thread = threading.Thread(target=self._run, name="kvcompose-export", daemon=True)
@@ -124,10 +109,15 @@ class _Exporting:
                 self._spans_waiting.set()
             if len(self._queue) >= EXPORT_BATCH:
                 self._batch_full.set()
-        self._queue_full += max(0, len(spans) - room)
-        self._unreadable += len(items) - len(spans)
-        self._ring.set_counter(QUEUE_FULL, self._queue_full)
-        self._ring.set_counter(UNREADABLE, self._unreadable)
+            if len(spans) > room or len(spans) < len(items):  # else no account changed: no report
+                accounts = self._accounts
+                self._settle(queue_full=accounts.queue_full + max(0, len(spans) - room),
+                             unreadable=accounts.unreadable + len(items) - len(spans))
+
+    def _settle(self, **accounts: int) -> None:
+        """Change accounts and report them (under the lock: reports go out in the order of their changes)."""
+        self._accounts = self._accounts._replace(**accounts)
+        self._report(self._accounts)
 
     def _take(self) -> list[Any]:
         with self._lock:
@@ -159,11 +149,9 @@ class _Exporting:
                 return
             self._in_flight = 0
             if ok:
-                self._exported += len(batch)
-                self._ring.set_counter(EXPORTED, self._exported)
+                self._settle(exported=self._accounts.exported + len(batch))
             else:
-                self._failed += len(batch)
-                self._ring.set_counter(EXPORT_FAILED, self._failed)
+                self._settle(export_failed=self._accounts.export_failed + len(batch))
 
     def flush(self, seconds: float) -> int:
         """Export what is queued for at most ``seconds``; the spans left (counted as lost at shutdown)."""
@@ -174,14 +162,14 @@ class _Exporting:
         with self._lock:
             self._flushed = True
             lost = len(self._queue) + self._in_flight
-        self._ring.set_counter(SHUTDOWN_LOST, lost)
+            self._settle(shutdown=lost)
         return lost
 
 
 class _EngineWatch:
-    """Tells when the engine is done with this process: it set the ring's ``closed`` counter, closed this
-    process's stdin (or the kernel did, when it died), or died (seen at once through a pidfd where Linux
-    has them); or SIGTERM asks this process itself to stop."""
+    """Tells when the engine is done with this process: it said so or closed its pipes (or the kernel did,
+    when it died), or died (seen at once through a pidfd where Linux has them); or SIGTERM asks this process
+    itself to stop."""
 
     def __init__(self, engine_pid: int) -> None:
         self._engine_pid = engine_pid
@@ -199,38 +187,22 @@ class _EngineWatch:
         signal.set_wakeup_fd(wakeup)
         signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the wake-up fd reports it
 
-    def wait(self, timeout_s: float) -> None:
-        """Sleep until the engine ships (a byte on stdin), goes, or ``timeout_s`` pass."""
-        stdin = sys.stdin.fileno()
-        watched = [stdin, self._signals] + ([self._engine_fd] if self._engine_fd is not None else [])
+    def wait(self, link: EngineLink, idle: bool, timeout_s: float) -> None:
+        """Sleep until the engine wakes this process (``idle``: ships), goes, or ``timeout_s`` pass."""
+        watched = [*link.waited_on(idle), self._signals] + ([self._engine_fd] if self._engine_fd is not None else [])
         readable, _, _ = select.select(watched, [], [], timeout_s)
+        link.woken(readable)
         if self._engine_fd in readable or self._signals in readable or (
-                stdin in readable and not os.read(stdin, 4096)) or (
                 self._engine_fd is None and not process_alive(self._engine_pid)):
             self.gone = True
 
     def engine_died(self, within_s: float) -> bool:
         """Whether the engine process has ended, or ends within ``within_s`` (the kernel closes a killed
-        process's files, its stdin pipe among them, a moment before it counts it as ended)."""
+        process's files, its pipes among them, a moment before it counts it as ended)."""
         if self._engine_fd is None:
             return not process_alive(self._engine_pid)
         readable, _, _ = select.select([self._engine_fd], [], [], within_s)
         return bool(readable)
-
-
-def _sleep(ring: Ring, watch: _EngineWatch, records_came: bool) -> None:
-    """Sleep until the next read. After a read that found records (``records_came``): for
-    :data:`READ_EVERY_S`, or until the engine finds the ring half full. Else until the engine ships records,
-    or :data:`CHECK_ENGINE_S` pass."""
-    if records_came:
-        watch.wait(READ_EVERY_S)
-        return
-    ring.set_counter(SLEEPING, 1)
-    try:
-        if not ring.unread():  # else shipped after the last take, maybe before the engine could see it asleep
-            watch.wait(CHECK_ENGINE_S)
-    finally:
-        ring.set_counter(SLEEPING, 0)
 
 
 def _log_lost(settings: dict[str, Any], lost: int, flush_s: float) -> None:
@@ -243,28 +215,29 @@ def _log_lost(settings: dict[str, Any], lost: int, flush_s: float) -> None:
 
 
 def main() -> None:
-    engine_pid, ring_fd = int(sys.argv[1]), int(sys.argv[2])  # argv[3]: the pipe end held for the engine to watch
-    ring = Ring.attach(ring_fd)
-    ring.set_counter(PID, os.getpid())
+    engine_pid, data_fd, wake_fd, accounts_fd = map(int, sys.argv[1:5])
+    link = EngineLink(data_fd, wake_fd, accounts_fd)
+    link.report(Accounts())  # its process id, for the engine's logs
     watch = _EngineWatch(engine_pid)
     settings: dict[str, Any] | None = None
     exporting: _Exporting | None = None
     while True:
-        closing = watch.gone or ring.counter(CLOSED)  # before the take: it then gets the last frames
-        frames = ring.take()
+        closing = watch.gone or link.ended  # before the take: it then gets the last frames
+        frames = link.take()
         for frame in frames:
             if settings is None:
                 from kvcompose.tracing.exporters import span_exporter
 
                 settings = frame
                 exporter = span_exporter(settings["exporter"], settings["endpoint"])
-                exporting = _Exporting(exporter, ring, settings["service_name"], settings["version"])
+                exporting = _Exporting(exporter, link.report, settings["service_name"], settings["version"])
             else:
                 assert exporting is not None  # made from the first frame
                 exporting.receive(frame)
-        if closing:
+        if closing or link.ended:
             break
-        _sleep(ring, watch, records_came=bool(frames))
+        # Records came: read again in READ_EVERY_S (sooner if woken). None: wait for the next ship.
+        watch.wait(link, idle=not frames, timeout_s=READ_EVERY_S if frames else CHECK_ENGINE_S)
     if exporting is not None and settings is not None:
         if lost := exporting.flush(settings["flush_s"]):
             _log_lost(settings, lost, settings["flush_s"])

@@ -11,11 +11,11 @@ were most of what an idle tracing engine spent on tracing (``make bench``,
 request_rate at 0 requests/s). :func:`force_flush` does the same at once (a
 shipper closing, tests).
 
-Shipping on the engine's thread would cost a ``marshal`` and a copy into the
-ring at every worker step that moved a traced request's KV, and whenever the
-scheduler's last request finished: on the path to that request's first token,
-and once per request at low rates. The thread ships a tenth of a second's
-records at once, off that path.
+Shipping on the engine's thread would cost a ``marshal`` and a write to the
+exporter's pipe at every worker step that moved a traced request's KV, and
+whenever the scheduler's last request finished: on the path to that request's
+first token, and once per request at low rates. The thread ships a tenth of a
+second's records at once, off that path.
 
 Between the two threads: the engine's thread only appends; a drain copies the
 first ``n`` records (one slice) and deletes them (one ``del`` of that slice).

@@ -4,25 +4,24 @@ A tracer's records wait in its :class:`~kvcompose.tracing.outbox.Outbox`, which
 its shipper makes; the outbox's thread hands them over in batches (a tenth of
 a second's records), off the engine's thread. By default each engine process
 that traces starts one exporter process
-(:mod:`kvcompose.tracing.export_process`) per tracing section and appends its
-records to a shared-memory :class:`~kvcompose.tracing.ring.Ring` that the
-exporter reads: a batch costs a ``marshal`` and a copy, and a one-byte write
-that wakes the exporter only if it sleeps (after an idle spell) or the ring is
-half full. When the ring is full (the exporter is behind) the batch is dropped
-and counted. :func:`set_span_exporter` replaces that, for the whole process,
-with an exporter called in-process (tests, embedders).
+(:mod:`kvcompose.tracing.export_process`) per tracing section and writes its
+records to a pipe that the exporter reads (:mod:`kvcompose.tracing.handover`):
+a batch costs a ``marshal`` and a ``write``. When the pipe is full (the
+exporter is behind) the batch is dropped and counted.
+:func:`set_span_exporter` replaces that, for the whole process, with an
+exporter called in-process (tests, embedders).
 
-Supervision: the exporter holds one end of a pipe open for its whole life, so
-the other end reads end-of-file the moment it ends, however it ends. A thread
-per shipper waits on it (no CPU while the exporter lives) and, when it dies:
+Supervision: a thread per exporter process reads the accounts it sends (no
+CPU between them) until end-of-file, the moment it ends, however it ends.
+Then:
 
 - logs it (one line; a process dying again and again: one a minute);
 - counts as dropped (``exporter_down``) the spans that died with it: those it
   had read and neither exported nor counted;
-- moves what it had not read yet into a new ring, and starts a new exporter
+- moves what it had not read yet into a new pipe, and starts a new exporter
   on it after a back-off (:data:`FIRST_RESTART_S`, doubling up to
   :data:`MAX_RESTART_S`; back to the first once an exporter lived that long).
-  Records shipped meanwhile wait in the new ring; what does not fit is dropped
+  Records shipped meanwhile wait in the new pipe; what does not fit is dropped
   as ``exporter_down``.
 
 Shutdown: :meth:`ProcessShipper.close` (the last tracer of the process closing,
@@ -38,30 +37,20 @@ from __future__ import annotations
 
 import atexit
 import os
-import select
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from kvcompose.config import LoggingSection, TracingSection
 from kvcompose.logs import get_logger
 from kvcompose.wire.telemetry import DROP_REASONS, TelemetryCounters
-from kvcompose.tracing import export_process
-from kvcompose.tracing.export_process import RECORDS_FRAME, TEMPLATES_FRAME
+from kvcompose.tracing.handover import RECORDS_FRAME, TEMPLATES_FRAME, ExporterLink
 from kvcompose.tracing.outbox import Outbox, drain_for
 from kvcompose.tracing.records import SpanRecord, Templates, resource_for, to_readable_spans
-from kvcompose.tracing.ring import CLOSED, EXPORT_FAILED, PID, QUEUE_FULL, SHUTDOWN_LOST, SLEEPING, UNREADABLE, Ring
 
-# The exporter's first process: it forks the exporter and exits at once, so that the exporter is not the
-# engine's descendant (see kvcompose.tracing.export_process). An isolated interpreter without site packages
-# starts in milliseconds: the exporter is out of the engine's tree before it starts importing.
-_LAUNCHER = "import os, sys\nif os.fork() == 0:\n    os.execv(sys.executable, [sys.executable, '-m', *sys.argv[1:]])\n"
 FIRST_RESTART_S = 0.5
 MAX_RESTART_S = 30.0
 log = get_logger("tracing")
@@ -147,90 +136,8 @@ class DiscardingShipper(_OutboxesShipped):
         pass
 
 
-class _Exporter:
-    """One exporter process and its ring, as the engine sees them."""
-
-    def __init__(self, settings: dict[str, Any]) -> None:
-        self.ring = Ring.create()
-        self.ring.append(settings)
-        self.shipped = 0  # spans appended to this ring
-        self.launcher: subprocess.Popen[bytes] | None = None  # the exporter's first process (_LAUNCHER)
-        self._wake_fd = -1  # the exporter's stdin, written to wake it
-        self._exit_fd = -1  # reads end-of-file once the exporter has ended
-        self.started_at = 0.0
-
-    @property
-    def started(self) -> bool:
-        return self.launcher is not None
-
-    def start(self) -> None:
-        exit_read, exit_write = os.pipe()
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        try:
-            self.launcher = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _LAUNCHER, export_process.__name__, str(os.getpid()),
-                 str(self.ring.fd), str(exit_write)],
-                stdin=subprocess.PIPE, env=env, close_fds=True, pass_fds=(self.ring.fd, exit_write),
-                start_new_session=True,
-            )
-        except BaseException:
-            os.close(exit_read)
-            raise
-        finally:
-            os.close(exit_write)
-        self._exit_fd, self.started_at = exit_read, time.monotonic()
-        assert self.launcher.stdin is not None
-        self._wake_fd = self.launcher.stdin.fileno()
-        os.set_blocking(self._wake_fd, False)
-
-    def append(self, kind: str, items: Sequence[Any]) -> bool:
-        if not self.ring.append((kind, items)):
-            return False
-        if kind == RECORDS_FRAME:
-            self.shipped += len(items)
-        return True
-
-    def wake_if_needed(self) -> None:
-        """A byte on the exporter's stdin wakes it, when it sleeps or the ring is half full. Never blocks:
-        a full pipe already holds a wake-up."""
-        if self.started and (self.ring.counter(SLEEPING) or self.ring.half_full()):
-            try:
-                os.write(self._wake_fd, b"\1")
-            except OSError:  # BlockingIOError (full), BrokenPipeError (it exited): nothing to wake
-                pass
-
-    def wait_for_end(self) -> None:
-        """Return once the exporter has ended, however it ended."""
-        assert self.launcher is not None
-        self.launcher.wait()  # it exits as soon as it has forked the exporter
-        select.select([self._exit_fd], [], [])
-        os.close(self._exit_fd)
-
-    def waiting(self) -> int:
-        return self.shipped - self.ring.settled()
-
-    def drops(self) -> dict[str, int]:
-        """The spans the exporter dropped so far, by reason (as it counted them in the ring)."""
-        ring = self.ring
-        return {"queue_full": ring.counter(QUEUE_FULL),
-                "export_failed": ring.counter(EXPORT_FAILED) + ring.counter(UNREADABLE),
-                "shutdown": ring.counter(SHUTDOWN_LOST)}
-
-    def unread_records(self) -> list[Sequence[Any]]:
-        """The record batches the exporter had not read (it is gone; the settings and templates it had not
-        read either are left out: a new exporter is sent its own)."""
-        return [frame[1] for frame in self.ring.take() if isinstance(frame, tuple) and frame[0] == RECORDS_FRAME]
-
-    def finish_input(self) -> None:
-        """The engine ships nothing more: the exporter drains the ring, flushes and exits."""
-        self.ring.set_counter(CLOSED, 1)
-        if self.launcher is not None and self.launcher.stdin is not None:
-            self.launcher.stdin.close()  # wakes it at once
-
-
 class ProcessShipper(_OutboxesShipped):
-    """Appends record batches to the ring of this process's exporter process (started with the first outbox, or
+    """Writes record batches to the pipe of this process's exporter process (started with the first outbox, or
     the first batch), and keeps that process running; see the module docstring."""
 
     def __init__(self, section: TracingSection, version: str, logging: LoggingSection | None = None) -> None:
@@ -243,8 +150,8 @@ class ProcessShipper(_OutboxesShipped):
         self.templates = Templates()
         self._owner = os.getpid()  # a forked child inherits this object, not the exporter
         self._lock = threading.Lock()  # the outboxes' thread ships, a supervisor replaces, close() ends
-        self._exporter: _Exporter | None = None
-        self._closing: list[_Exporter] = []  # closed, still exporting what they hold
+        self._exporter: ExporterLink | None = None
+        self._closing: list[ExporterLink] = []  # closed, still exporting what they hold
         # Spans dropped so far by this side and by exporters that are gone (the current one's own counts are
         # added when read), and what telemetry() last reported.
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
@@ -275,12 +182,10 @@ class ProcessShipper(_OutboxesShipped):
             self.templates.mark_shipped()
             if not exporter.append(RECORDS_FRAME, records):
                 self._dropped[reason] += len(records)
-                return
-            exporter.wake_if_needed()
 
-    def _start(self) -> _Exporter:
+    def _start(self) -> ExporterLink:
         """A new exporter (the first, or the first after close())."""
-        exporter = self._exporter = _Exporter(self._settings)
+        exporter = self._exporter = ExporterLink(self._settings)
         self.templates.mark_unshipped()  # a new exporter knows no template
         self._launch(exporter)
         if not self._at_exit:
@@ -288,14 +193,14 @@ class ProcessShipper(_OutboxesShipped):
             atexit.register(self.close)
         return exporter
 
-    def _launch(self, exporter: _Exporter) -> None:
+    def _launch(self, exporter: ExporterLink) -> None:
         exporter.start()
         threading.Thread(target=self._supervise, args=(exporter,), name="kvcompose-span-exporter-watch",
                          daemon=True).start()
 
     # ---- a supervisor's thread, one per exporter process started ----
 
-    def _supervise(self, exporter: _Exporter) -> None:
+    def _supervise(self, exporter: ExporterLink) -> None:
         exporter.wait_for_end()
         with self._lock:
             if exporter in self._closing:  # closed: it has flushed
@@ -306,9 +211,8 @@ class ProcessShipper(_OutboxesShipped):
             lived_s = time.monotonic() - exporter.started_at
             delay = FIRST_RESTART_S if lived_s >= MAX_RESTART_S else self._restart_in_s
             self._restart_in_s = min(2 * delay, MAX_RESTART_S)
-            pid = exporter.ring.counter(PID) or None
-            exporter.ring.close()
-        self._log_death(pid, lost, lived_s, delay)
+            exporter.close()
+        self._log_death(exporter.pid, lost, lived_s, delay)
         while True:
             time.sleep(delay)
             with self._lock:
@@ -323,14 +227,14 @@ class ProcessShipper(_OutboxesShipped):
                 self._restarts += 1
                 return
 
-    def _replace(self, dead: _Exporter) -> tuple[_Exporter, int]:
+    def _replace(self, dead: ExporterLink) -> tuple[ExporterLink, int]:
         """A new, not yet started exporter holding what ``dead`` had not read; the spans that died with it."""
         unread = dead.unread_records()
         for reason, spans in dead.drops().items():
             self._dropped[reason] += spans
         lost = dead.waiting() - sum(len(items) for items in unread)
         self._dropped["exporter_down"] += lost
-        replacement = self._exporter = _Exporter(self._settings)
+        replacement = self._exporter = ExporterLink(self._settings)
         self.templates.mark_unshipped()
         if self.templates.all:
             replacement.append(TEMPLATES_FRAME, self.templates.unshipped())
@@ -340,15 +244,15 @@ class ProcessShipper(_OutboxesShipped):
                 self._dropped["exporter_down"] += len(items)
         return replacement, lost
 
-    def _settle_closed(self, exporter: _Exporter) -> None:
+    def _settle_closed(self, exporter: ExporterLink) -> None:
         """Account for an exporter that ended after close(): what it counted, and what it ended without
         counting (it died while flushing)."""
         for reason, spans in exporter.drops().items():
             self._dropped[reason] += spans
         if unaccounted := exporter.waiting():
             self._dropped["shutdown"] += unaccounted
-            log.warning("spans_lost_at_shutdown", spans=unaccounted, pid=exporter.ring.counter(PID) or None)
-        exporter.ring.close()
+            log.warning("spans_lost_at_shutdown", spans=unaccounted, pid=exporter.pid)
+        exporter.close()
 
     def _log_death(self, pid: int | None, lost: int, lived_s: float, restart_in_s: float) -> None:
         """One line per death; an exporter that dies again and again: one line a minute, counting the others."""
@@ -362,7 +266,7 @@ class ProcessShipper(_OutboxesShipped):
 
     # ---- the engine's stats and live view ----
 
-    def _running(self) -> list[_Exporter]:
+    def _running(self) -> list[ExporterLink]:
         return self._closing + ([self._exporter] if self._exporter is not None else [])
 
     def telemetry(self) -> TelemetryCounters | None:
@@ -407,7 +311,7 @@ class ProcessShipper(_OutboxesShipped):
                     self._dropped["shutdown"] += exporter.waiting()
                     log.error("span_exporter_start_failed", error_type=type(error).__name__,
                               spans_lost=exporter.waiting())
-                    exporter.ring.close()
+                    exporter.close()
                     return
             exporter.finish_input()
             self._closing.append(exporter)
