@@ -1,9 +1,10 @@
 """Which requests are traced, decided once per request in the engine.
 
-The decision follows OpenTelemetry's samplers without building SDK objects:
+OpenTelemetry's own samplers decide, through their public ``should_sample``:
 a request that carries a W3C ``traceparent`` follows its caller's sampled flag
-(parent-based); one without is sampled by its trace id against a ratio, so
-every process of an engine agrees on the same request.
+(``ParentBased``); one without is sampled by its trace id against a ratio
+(``TraceIdRatioBased``), so every process of an engine, and vLLM's own
+tracer with the same settings, agree on the same request.
 
 Which setting wins: the pipeline's ``tracing.sample_ratio`` when it is set;
 otherwise ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``; otherwise
@@ -12,33 +13,45 @@ every request is traced (``parentbased_always_on``, the SDK's default).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from kvcompose.logs import get_logger
 
 logger = get_logger("tracing")
 
-_TRACE_ID_LOW_BITS = (1 << 64) - 1
+SPAN_NAME = "kvcompose.request"  # the span the decision is for
+
+
+def _caller(sampled: bool) -> Context:
+    """A remote caller's span as ``ParentBased`` reads it: only its sampled flag enters the decision, not its
+    ids (placeholders here)."""
+    flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+    return trace.set_span_in_context(NonRecordingSpan(SpanContext(1, 1, is_remote=True, trace_flags=flags)))
+
+
+_CALLERS = {True: _caller(True), False: _caller(False)}
 
 
 @dataclass(frozen=True)
 class Sampling:
     parent_based: bool  # a request's caller decides when it sent a traceparent
     root_ratio: float  # share of the other requests that are traced
-    # TraceIdRatioBased's rule: a root is sampled when the low 64 bits of its trace id are under
-    # ratio * 2^64; kept as an int, as comparing an int with a float costs more.
-    _bound: int = field(init=False, repr=False, compare=False)
+    _sampler: Sampler = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_bound", math.ceil(self.root_ratio * (1 << 64)))
+        ratio = TraceIdRatioBased(self.root_ratio)
+        object.__setattr__(self, "_sampler", ParentBased(ratio) if self.parent_based else ratio)
 
     def sampled(self, trace_id: int, parent_sampled: bool | None) -> bool:
         """``parent_sampled``: the caller's flag, or None when the request has no traceparent."""
-        if self.parent_based and parent_sampled is not None:
-            return parent_sampled
-        return (trace_id & _TRACE_ID_LOW_BITS) < self._bound
+        caller = None if parent_sampled is None else _CALLERS[parent_sampled]
+        return self._sampler.should_sample(caller, trace_id, SPAN_NAME).decision.is_sampled()
 
 
 _ENV_SAMPLERS = {
