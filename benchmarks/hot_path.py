@@ -1,34 +1,26 @@
-"""Per-call cost of the calls vLLM makes on its hot path, through each kind of connector.
+"""A worker step's calls, and a request's scheduler-side calls, in the composite against MultiConnector.
 
-Subjects, all over no-op children (see ``benchmarks/connectors.py``):
+Subjects, side by side in one run over the same no-op children:
 
-- ``direct``: one child called directly (the floor is ``children`` such calls);
 - ``multi``: vLLM's MultiConnector;
-- ``multi_twin``: a second, identical MultiConnector: its ratio to ``multi`` is
-  how far two identical subjects read apart in this row of this run, so a
-  kvcompose ratio that close to 1.0 is within the run's noise;
+- ``multi_twin``: a second, identical MultiConnector: how far two identical
+  subjects read apart in this row of this run;
 - ``kvc_bare``: KVComposeConnector, metrics and tracing off;
 - ``kvc_off``: KVComposeConnector as shipped: metrics on (every call timed),
   tracing off;
-- ``kvc_request`` / ``kvc_step`` / ``kvc_layer``: metrics on, tracing at that
-  granularity. Spans are recorded with exporter ``none``, so the figures are
-  the cost of making them; exporting is measured end to end.
+- ``kvc_request`` / ``kvc_step``: metrics on, tracing at that granularity.
+  Spans are recorded with exporter ``none``, so the figures are the cost of
+  making them; exporting is measured end to end (benchmarks.batch_scaling).
 
-Worker-side calls run inside a bound step built by the scheduler-side composite
-from a real vLLM ``SchedulerOutput``, of two kinds:
+``worker step``: the calls vLLM makes into the connector in one decode step
+of a model of ``layers`` layers (bind, start_load_kv, per layer
+wait_for_layer_load and save_kv_layer, wait_for_save, get_finished, the load
+errors, the worker metadata, the stats, clear), the metadata built once by the
+subject's own scheduler side. ``request``: a request's scheduler-side life in
+the composite (lookup, allocation, finish).
 
-- a decode step (a request already running): what nearly every step is; its
-  calls are plain unless the step is one sampled for timing;
-- the first step of one sampled request, loaded by the first child
-  (``... moving KV``): a step that moves KV is observed call by call (each
-  call timed: engine wait, copy time), and makes spans at every granularity.
-  Its rows are reported, with no target: they are what a step that moves KV
-  pays per call, against copies that take milliseconds.
-
-Scheduler side, ``get_num_new_matched_tokens`` repeats the lookup of one open
-request (its request span is started by the first lookup, as vLLM asks again
-while a request waits), and ``lookup+request_finished`` is a request's whole
-scheduler-side life in the composite: request span started, lookups, finished.
+What a user feels is judged end to end (benchmarks.batch_scaling); these rows
+say where a step's or a request's extra microseconds go.
 """
 
 from __future__ import annotations
@@ -38,101 +30,89 @@ from typing import Any
 from benchmarks.connectors import kvcompose_connector, multi_connector, pipeline
 from benchmarks.timing import per_call_ns
 
-CHILD_COUNTS = (2, 8)
+# (children, layers) of the worker-step rows; the request rows are per child count.
+SHAPES = ((2, 2), (2, 32), (8, 2))
 # name -> (metrics, tracing granularity or None)
 KVCOMPOSE_SUBJECTS: dict[str, tuple[bool, str | None]] = {
     "kvc_bare": (False, None),
     "kvc_off": (True, None),
     "kvc_request": (True, "request"),
     "kvc_step": (True, "step"),
-    "kvc_layer": (True, "layer"),
 }
-SUBJECTS = ("direct", "multi", "multi_twin", *KVCOMPOSE_SUBJECTS)
-# operation -> (side, statement); ``c`` is the subject, ``request`` a real vLLM Request
-WORKER_CALLS = {
-    "start_load_kv": "c.start_load_kv(None)",
-    "wait_for_layer_load": "c.wait_for_layer_load('model.layers.0')",
-    "save_kv_layer": "c.save_kv_layer('model.layers.0', None, None)",
-    "wait_for_save": "c.wait_for_save()",
-}
-MOVING = ", moving KV"  # the rows of the step that moves KV
-OPERATIONS: dict[str, tuple[str, str]] = {
-    **{name: ("worker", statement) for name, statement in WORKER_CALLS.items()},
-    **{name + MOVING: ("worker_moving", statement) for name, statement in WORKER_CALLS.items()},
-    "get_num_new_matched_tokens": ("scheduler", "c.get_num_new_matched_tokens(request, 0)"),
-    "lookup+request_finished": (
-        "scheduler", "c.get_num_new_matched_tokens(request, 0); c.request_finished(request, [])"
-    ),
-}
+SUBJECTS = ("multi", "multi_twin", *KVCOMPOSE_SUBJECTS)
+WORKER_STEP = """\
+c.bind_connector_metadata(metadata)
+c.start_load_kv(None)
+for layer in layers:
+    c.wait_for_layer_load(layer)
+    c.save_kv_layer(layer, None, None)
+c.wait_for_save()
+c.get_finished(finished)
+c.get_block_ids_with_load_errors()
+c.build_connector_worker_meta()
+c.get_kv_connector_stats()
+c.clear_connector_metadata()
+"""
+REQUEST = """\
+c.get_num_new_matched_tokens(request, 0)
+c.update_state_after_alloc(request, blocks, 0)
+c.request_finished(request, [])
+"""
 
 
-def _bind_first_step(scheduler: Any, worker: Any) -> None:
-    """Schedule one request the first child loads and bind its first step, as vLLM orders the calls."""
+def _pair(name: str, children: int) -> tuple[Any, Any]:
+    """The subject's scheduler side and worker side."""
+    if name.startswith("multi"):
+        return multi_connector(children, "scheduler"), multi_connector(children, "worker")
+    metrics, tracing = KVCOMPOSE_SUBJECTS[name]
+    bench_pipeline = pipeline(children, metrics=metrics, tracing=tracing)
+    return kvcompose_connector(bench_pipeline, "scheduler"), kvcompose_connector(bench_pipeline, "worker")
+
+
+def _decode_metadata(scheduler: Any) -> Any:
+    """A decode step's metadata (one admitted request, no KV moving), as the scheduler side builds it."""
     from tests.connector_support import make_blocks, make_request, scheduler_output
 
-    request = make_request("bench-step")
-    tokens, _ = scheduler.get_num_new_matched_tokens(request, 0)
-    scheduler.update_state_after_alloc(request, make_blocks(1, 2), tokens)
-    worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(new=[request])))
-
-
-def _bind_decode_step(scheduler: Any, worker: Any) -> None:
-    """Bind a step that decodes an admitted request: it moves no KV (after the first step, which is timed)."""
-    from tests.connector_support import scheduler_output
-
-    for _ in range(2):
-        worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(cached=["bench-decode"])))
-        worker.clear_connector_metadata()
-    worker.bind_connector_metadata(scheduler.build_connector_meta(scheduler_output(cached=["bench-decode"])))
-
-
-def build_subjects(children: int) -> dict[str, dict[str, Any]]:
-    """side -> subject name -> connector, every kvcompose worker of a side bound to the same kind of step."""
-    sides: dict[str, dict[str, Any]] = {}
-    for side, role in (("scheduler", "scheduler"), ("worker", "worker"), ("worker_moving", "worker")):
-        multi, twin = multi_connector(children, role), multi_connector(children, role)
-        sides[side] = {"direct": multi.sub_connectors[0], "multi": multi, "multi_twin": twin}
-    for name, (metrics, tracing) in KVCOMPOSE_SUBJECTS.items():
-        bench_pipeline = pipeline(children, metrics=metrics, tracing=tracing)
-        scheduler = sides["scheduler"][name] = kvcompose_connector(bench_pipeline, "scheduler")
-        worker = sides["worker"][name] = kvcompose_connector(bench_pipeline, "worker")
-        _bind_decode_step(scheduler, worker)
-        moving = sides["worker_moving"][name] = kvcompose_connector(bench_pipeline, "worker")
-        _bind_first_step(kvcompose_connector(bench_pipeline, "scheduler"), moving)
-    return sides
+    request = make_request("bench-decode")
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, make_blocks(1, 2), 0)
+    scheduler.build_connector_meta(scheduler_output(new=[request], blocks=[1, 2]))
+    return scheduler.build_connector_meta(scheduler_output(cached=["bench-decode"]))
 
 
 def measure(rounds: int = 5, sample_s: float = 0.05, calls: int | None = None) -> list[dict[str, Any]]:
-    """One row per (operation, children): ns per call of every subject and the ratios to MultiConnector."""
-    from tests.connector_support import make_request
+    """One row per worker-step shape and per request child count: us per step (or request) of every subject,
+    and each one's extra over MultiConnector."""
+    from tests.connector_support import make_blocks, make_request
 
     rows = []
-    for children in CHILD_COUNTS:
-        sides = build_subjects(children)
-        for operation, (side, statement) in OPERATIONS.items():
-            request = make_request(f"bench-{operation}")
-            subjects = {name: {"c": connector, "request": request} for name, connector in sides[side].items()}
-            ns = per_call_ns(statement, subjects, rounds=rounds, sample_s=sample_s, calls=calls)
-            rows.append({
-                "op": operation,
-                "children": children,
-                "ns": ns,
-                "vs_multi": {name: ns[name] / ns["multi"] for name in SUBJECTS if name != "multi"},
-                "off_vs_floor": ns["kvc_off"] / (children * ns["direct"]),
-            })
+    for children, layers in SHAPES:
+        subjects = {}
+        for name in SUBJECTS:
+            scheduler, worker = _pair(name, children)
+            subjects[name] = {"c": worker, "metadata": _decode_metadata(scheduler), "finished": set(),
+                              "layers": [f"model.layers.{index}" for index in range(layers)]}
+        rows.append(_row("worker step", children, layers, per_call_ns(WORKER_STEP, subjects, rounds, sample_s, calls)))
+    for children in sorted({children for children, _ in SHAPES}):
+        subjects = {name: {"c": _pair(name, children)[0], "request": make_request(f"bench-{name}"),
+                           "blocks": make_blocks(1, 2)} for name in SUBJECTS}
+        rows.append(_row("request", children, None, per_call_ns(REQUEST, subjects, rounds, sample_s, calls)))
     return rows
 
 
+def _row(what: str, children: int, layers: int | None, ns: dict[str, float]) -> dict[str, Any]:
+    return {"what": what, "children": children, "layers": layers, "us": {name: ns[name] / 1e3 for name in ns},
+            "extra_us": {name: (ns[name] - ns["multi"]) / 1e3 for name in SUBJECTS if name != "multi"}}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: ns per call, and each kvcompose figure as a ratio to MultiConnector."""
-    header = ["op", "children", "direct", "multi", "multi twin",
-              *(name.removeprefix("kvc_") for name in KVCOMPOSE_SUBJECTS), "off / floor"]
+    """Markdown: us per step (or request), and each subject's extra over MultiConnector."""
+    header = ["calls", "children", "layers", "multi", *(name.removeprefix("kvc_") for name in SUBJECTS[1:])]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in rows:
-        ns, ratio = row["ns"], row["vs_multi"]
-        cells = [row["op"], str(row["children"]), f"{ns['direct']:.0f}", f"{ns['multi']:.0f}",
-                 *(f"{ns[name]:.0f} ({ratio[name]:.2f}x)" for name in ("multi_twin", *KVCOMPOSE_SUBJECTS)),
-                 f"{row['off_vs_floor']:.1f}x"]
+        us, extra = row["us"], row["extra_us"]
+        cells = [row["what"], str(row["children"]), "-" if row["layers"] is None else str(row["layers"]),
+                 f"{us['multi']:.2f}", *(f"{us[name]:.2f} ({extra[name]:+.2f})" for name in SUBJECTS[1:])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

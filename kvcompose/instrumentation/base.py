@@ -71,13 +71,38 @@ class Observation:
     tracer: PipelineTracer | None  # where its spans go; None: not traced
     template: int  # of its spans
 
+    def record(self, start_ns: int, end_ns: int) -> None:
+        """The call ran from ``start_ns`` to ``end_ns``: its latency, and its engine wait."""
+        seconds = (end_ns - start_ns) / 1e9
+        if self.slot is not None:
+            self.instrumentation.recorder.timed(self.slot, seconds)
+        if (waits := self.waits) is not None:
+            waits.seconds[self.wait_slot] += seconds
+            if self.operation.blocking == "load":
+                waits.load_end_ns[self.child] = end_ns
 
-def timed_call(
+
+def timed(observation: Observation, call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call``, timed."""
+    def timed_call(*args: Any, **kwargs: Any) -> Any:
+        start = time_ns()
+        try:
+            result = call(*args, **kwargs)
+        except CircuitOpen:  # a call the breaker skipped took none of the child's time
+            raise
+        except Exception:
+            observation.record(start, time_ns())
+            raise
+        observation.record(start, time_ns())
+        return result
+    return timed_call
+
+
+def traced_call(
     observation: Observation, call: Callable[..., Any], parents: tuple[SpanContextIds, ...], request_id: str | None,
     args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> Any:
-    """Make ``call`` timed, recording its latency, its engine wait, and a span under each of ``parents`` (if any).
-    The watchdog knows a call kvcompose times by this function's frame on its stack."""
+    """Make ``call`` timed, with a span under each of ``parents`` (if any)."""
     tracer = observation.tracer
     span = tracer.start_call(parents, request_id, observation.child_name) if parents and tracer else None
     result = error = None
@@ -91,13 +116,7 @@ def timed_call(
     finally:
         end = time_ns()
         if not isinstance(error, CircuitOpen):  # a call the breaker skipped took none of the child's time
-            seconds = (end - start) / 1e9
-            if observation.slot is not None:
-                observation.instrumentation.recorder.timed(observation.slot, seconds)
-            if (waits := observation.waits) is not None:
-                waits.seconds[observation.wait_slot] += seconds
-                if observation.operation.blocking == "load":
-                    waits.load_end_ns[observation.child] = end
+            observation.record(start, end)
         if span is not None:
             observation.instrumentation.span_ended(observation, span, start, end, args, result, error)
 
@@ -153,20 +172,18 @@ class Instrumentation:
             StepWaits.slot(child.index, operation.blocking) if operation.blocking else -1,
             tracer, tracer.call_template(child, operation) if tracer is not None else -1)
         if tracer is None:
-            def timed(*args: Any, **kwargs: Any) -> Any:
-                return timed_call(observation, call, (), None, args, kwargs)
-            return timed
+            return timed(observation, call)
         if operation.granularity is Granularity.REQUEST:
-            def timed_about_request(*args: Any, **kwargs: Any) -> Any:
+            def traced_about_request(*args: Any, **kwargs: Any) -> Any:
                 context = tracer.request_context(args[0])
-                return timed_call(observation, call, () if context is None else (context,), args[0].request_id,
-                                  args, kwargs)
-            return timed_about_request
+                return traced_call(observation, call, () if context is None else (context,), args[0].request_id,
+                                   args, kwargs)
+            return traced_about_request
         step = self.step_parents
 
-        def timed_in_step(*args: Any, **kwargs: Any) -> Any:
-            return timed_call(observation, call, step.spans, None, args, kwargs)
-        return timed_in_step
+        def traced_in_step(*args: Any, **kwargs: Any) -> Any:
+            return traced_call(observation, call, step.spans, None, args, kwargs)
+        return traced_in_step
 
     def span_ended(
         self, observation: Observation, span: CallSpan, start_ns: int, end_ns: int, args: tuple[Any, ...],
@@ -211,12 +228,21 @@ class Instrumentation:
     # ---- scheduler hooks ----
 
     def admitted(self, request: Request, num_external_tokens: int, lookup_round: LookupRound | None,
-                 loading: int | None) -> None:
+                 loading: int | None, local_tokens: int = 0) -> None:
         """vLLM allocated the request's blocks (``update_state_after_alloc`` returned); ``lookup_round``: its last
-        lookup round's answers, one per loader (None: no child was asked); ``loading``: the child that loads it."""
+        lookup round's answers, one per loader (None: no child was asked); ``loading``: the child that loads it;
+        ``local_tokens``: the GPU prefix cache's hit when it was looked up."""
 
     def request_finished(self, request: Request, saves_async: bool) -> None:
         """vLLM finished the request (every child was told)."""
+
+    def receipt(self, request: Request) -> dict[str, Any] | None:
+        """The receipt of the request just finished (:meth:`request_finished`), for its kv_transfer_params; None:
+        none (receipts off)."""
+        return None
+
+    def blocks_failed(self, block_ids: set[int]) -> None:
+        """vLLM's invalid blocks of a step (``KVConnectorOutput.invalid_block_ids``): loads that failed, to recompute."""
 
     def metadata_built(self, scheduler_output: SchedulerOutput, metadata: KVComposeMetadata) -> None:
         """A step's metadata is built: add what the workers need."""
