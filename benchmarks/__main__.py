@@ -56,7 +56,8 @@ def run(parts: tuple[str, ...], rounds: int | None) -> tuple[dict[str, Any], str
     sections, checks = [], []
     if "hot_path" in parts:
         result["hot_path"] = rows = hot_path.measure()
-        sections.append("### Hot path (ns per call; kvcompose as a ratio to MultiConnector)\n\n" + hot_path.table(rows))
+        sections.append("### A worker step's and a request's calls (us; in brackets, the extra over MultiConnector)"
+                        "\n\n" + hot_path.table(rows))
         checks += targets.hot_path_checks(rows)
     if "request_cost" in parts:
         result["request_cost"] = costs = request_cost.measure()

@@ -1,7 +1,7 @@
 """Spans around the composite's calls into its children, recorded cheaply and exported out of the engine.
 
 The names below load on first use, so the exporter process (which needs only
-records, the ring and the exporters) starts without the connector's imports.
+records, the hand-over and the exporters) starts without the connector's imports.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from kvcompose.lazy import lazy_attributes
 
 _EXPORTS = {
     "PipelineTracer": "kvcompose.tracing.pipeline",
-    "TracedRequest": "kvcompose.tracing.pipeline",
     "force_flush": "kvcompose.tracing.outbox",
     "pipeline_tracer": "kvcompose.tracing.pipeline",
     "set_span_exporter": "kvcompose.tracing.shipping",
