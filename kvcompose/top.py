@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kvcompose.command_line import Commands, EXIT_FAILURE, refuse
+from kvcompose.command_line import EXIT_FAILURE, Commands, refuse
 from kvcompose.exposition import OPENMETRICS, Exposition, ExpositionError, quantile, read
+from kvcompose.operations import DIRECTIONS
 
-DIRECTIONS = ("load", "save")
 STATES = {0: "closed", 1: "open", 2: "half-open", 3: "stuck"}
 RECENT_S = 300.0  # how old an exemplar may be to count as a recent transfer
 LIVE_INTERVAL_S = 2.0

@@ -12,8 +12,9 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-DIRECTIONS = ("load", "save")
-GPU = "gpu"  # kvcompose_tier_capacity_blocks' connector label for the GPU cache
+from kvcompose.operations import DIRECTIONS
+from kvcompose.wire.economics import GPU
+
 # vLLM's prompt token counter; prometheus_client writes its colon as an underscore in OpenMetrics.
 PROMPT_TOKENS = ("vllm:prompt_tokens_total", "vllm_prompt_tokens_total")
 
