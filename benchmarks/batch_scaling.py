@@ -76,7 +76,7 @@ PROMPT_WORDS = 160  # with the BOS token 161: one full 128-token block (the CPU 
 KV_BLOCKS = 1024  # a batch of 256 holds 512 blocks (161 + 64 tokens each), plus those held while saves finish
 OFFLOAD_BYTES = 64 << 20  # 512 blocks of 128 KiB: the latest 256 prompts, the repeats among them, stay stored
 NOOP_MODULE = "kvcompose.testing.noop"
-# The exporter process reads its ring every 1 s and exports every 2 s (kvcompose.tracing.export_process), so the
+# The exporter process reads its pipe every 1 s and exports every 2 s (kvcompose.tracing.export_process), so the
 # spans of a batch are exported within 3 s of its end.
 EXPORT_SETTLED_S = 3.5
 STOP_TIMEOUT_S = 60

@@ -9,7 +9,7 @@ costs more), so use it to compare versions of kvcompose, and the CPU-time
 benchmarks for the targets.
 
 Two measures. Request lives: the subjects of ``benchmarks/request_life.py``
-(the traced one ships its spans through the ring to an exporter process,
+(the traced one ships its spans through a pipe to an exporter process,
 which runs outside valgrind and is not counted). Worker steps: the steps of
 ``benchmarks/transfer_cost.py`` (8 requests a step, each loaded by the first of
 2 no-op children and saved by both, every request traced) through a

@@ -84,7 +84,7 @@ def live(connector: Any, request_id: str) -> None:
 
 def caught_up_exporter_cpu_s(timeout_s: float = 10.0) -> float:
     """The exporter processes' CPU seconds once they have caught up with what they were sent (it stops
-    growing): read at once, it would miss the batches still waiting in the ring."""
+    growing): read at once, it would miss the batches still waiting in the pipe."""
     deadline, last = time.monotonic() + timeout_s, exporter_cpu_s()
     while time.monotonic() < deadline:
         time.sleep(0.3)

@@ -84,7 +84,7 @@ def metric_value(metrics: str, name: str, **labels: str) -> float:
 
 def kvcompose_files_of(pids: list[int], directory: str = "/dev/shm") -> set[str]:
     """kvcompose's files there that name one of these processes (a live file names its process; kvcompose's span
-    rings have no name at all). Other engines on the machine may have files of their own."""
+    hand-over is a pipe, with no file). Other engines on the machine may have files of their own."""
     return {path.name for path in Path(directory).iterdir()
             if "kvcompose" in path.name and any(f"-{pid}." in path.name for pid in pids)}
 

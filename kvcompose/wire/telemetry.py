@@ -4,7 +4,7 @@ Each engine process (scheduler, every worker) ships its spans to an exporter
 process of its own. A report holds, since the last report of that process:
 
 - ``dropped``: spans lost, by reason (:data:`DROP_REASONS`):
-  ``queue_full`` (the ring or the exporter's queue was full: a slow or
+  ``queue_full`` (the hand-over pipe or the exporter's queue was full: a slow or
   unreachable collector), ``export_failed`` (the collector refused them, or
   the exporter could not read them), ``exporter_down`` (the exporter process
   died with them, or they did not fit while a new one was starting),
