@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from kvcompose.operations import FAILED, Failed, LookupRound
 from kvcompose.wire.metadata import KVComposeMetadata, LoadPlan
-from kvcompose.operations import FAILED, Failed
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 # A request's latest lookup round: the position (among the loaders) of the answer chosen (None: no loader
 # loads it), that answer, the tokens vLLM had computed locally when it asked, and every loader's answer in
 # pipeline order where they are kept (else None). A plain tuple, made on a lookup.
-LookupRound = tuple["int | None", tuple[int, bool], int, "list[tuple[int, bool]] | None"]
+LookedUp = tuple["int | None", tuple[int, bool], int, "LookupRound | None"]
 
 
 def external_block_ids(blocks: KVCacheBlocks, local_tokens: int, external_tokens: int, block_size: int) -> tuple[int, ...]:
@@ -47,7 +47,7 @@ class SchedulerLedger:
         # is kept (MultiConnector's rule, metrics off) only a round that chose a loader is written, as
         # MultiConnector records only the loader: an older round can then outlive a later miss, harmlessly,
         # since vLLM asks who loads a request only after a lookup that matched.
-        self.rounds: dict[str, LookupRound] = {}
+        self.rounds: dict[str, LookedUp] = {}
         # Until the next step's metadata: loads planned or cancelled, async savers of finished requests.
         self._planned: dict[str, LoadPlan] = {}
         self._cancelled: dict[str, LoadPlan] = {}
