@@ -277,7 +277,7 @@ def test_each_kind_of_child_is_tracked_by_how_it_reports_completion() -> None:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvcompose.instrumentation.transfers import completion_mode
+    from kvcompose.adapters.completion import completion_mode
 
     def mode(connector: str) -> str:
         config = KVTransferConfig(kv_connector=connector, kv_role="kv_both")
@@ -295,7 +295,7 @@ def test_a_direction_without_copy_times_has_no_copy_series_nor_source() -> None:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvcompose.instrumentation.transfers import copy_source
+    from kvcompose.adapters.completion import copy_source
     from kvcompose.metrics.transfer_series import TransferSeries
 
     def sources(connector: str) -> dict[str, str | None]:
