@@ -128,8 +128,9 @@ def test_fits_about_twenty_lines_with_nothing_of_vllm_on_the_demos_own_streams(d
 
 def test_states_its_real_duration(demo: DemoRun) -> None:
     stated = float(demo.line(r"^done in ([\d.]+) s").group(1))
-    # Measured from the demo's first statement: the interpreter's start and imports come before it.
-    assert demo.wall_s - 5 <= stated <= demo.wall_s
+    # Measured from the demo's first statement: the interpreter's start and imports come before it, so it is
+    # shorter than the test's own measure, but most of it (the server's start and the requests come after).
+    assert demo.wall_s / 2 <= stated <= demo.wall_s
 
 
 def test_the_repeat_is_loaded_from_the_offload_tier_as_vllm_counts_it(demo: DemoRun) -> None:
