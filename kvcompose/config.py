@@ -194,6 +194,11 @@ class Pipeline(_Section):
         "stack) and shown as stuck (kvcompose_child_state 3) until it returns; a request's lookup that a child keeps "
         "deferring ('ask again later') for longer counts as a failed lookup. null turns both off.",
     )
+    receipts: bool = Field(
+        False, description="Each finished request's kv_transfer_params (returned in the response) carry a "
+        "'kvcompose' receipt: the prompt's tokens served by the GPU prefix cache, loaded by each loading child, "
+        "and computed.",
+    )
 
     @model_validator(mode="after")
     def _check_children(self) -> Pipeline:

@@ -65,6 +65,7 @@ from kvcompose.connectors.pairing import PairingCheck, PipelineShape
 from kvcompose.connectors.policies import POLICIES
 from kvcompose.connectors.watchdog import watchdog
 from kvcompose.instrumentation import SchedulerInstrumentation, WorkerInstrumentation, instrument
+from kvcompose.instrumentation.receipts import ReceiptInstrumentation, with_receipt
 from kvcompose.logs import configure_logging, get_logger
 from kvcompose.metrics.prometheus import KVComposePromMetrics
 from kvcompose.operations import FAILED, OPERATIONS, Operation
@@ -137,8 +138,10 @@ class KVComposeConnector(KVConnectorBase_V1):
         self._scheduler_ledger = SchedulerLedger(vllm_config.cache_config.block_size, self._loaders)
         self._worker_ledger = WorkerLedger()
         self._deferrals = Deferrals(self.pipeline.watchdog_s)  # lookups answered "ask again later"
-        # None when the pipeline turns metrics and tracing off: then nothing but forwarding runs.
-        self._instrumentation: SchedulerInstrumentation | WorkerInstrumentation | None = instrument(
+        # None when the pipeline turns metrics and tracing off (and receipts: see kvcompose.instrumentation.receipts):
+        # then nothing but forwarding runs.
+        self._instrumentation: SchedulerInstrumentation | WorkerInstrumentation | ReceiptInstrumentation | None
+        self._instrumentation = instrument(
             self.pipeline, worker, specs, self._guards, self._loaders, vllm_config, kv_cache_config)
         self.children = [Child(spec, construct_child(spec, role, kv_cache_config), self._guards[spec.index])
                          for spec in specs]
@@ -496,7 +499,8 @@ class KVComposeConnector(KVConnectorBase_V1):
             lookup_round = self._scheduler_ledger.rounds.get(request.request_id)
             self._instrumentation.admitted(request, num_external_tokens,
                                            None if lookup_round is None else lookup_round[3],
-                                           self._scheduler_ledger.planned_loader(request.request_id))
+                                           self._scheduler_ledger.planned_loader(request.request_id),
+                                           0 if lookup_round is None else lookup_round[2])
 
     def on_new_request(self, request: Request) -> None:
         for on_new in self._calls.on_new_request:
@@ -529,6 +533,8 @@ class KVComposeConnector(KVConnectorBase_V1):
         assert composite_meta is None or isinstance(composite_meta, KVComposeWorkerMetadata)
         if self._instrumentation is not None:
             self._instrumentation.worker_output(composite_meta)
+            if connector_output.invalid_block_ids:
+                self._instrumentation.blocks_failed(connector_output.invalid_block_ids)
         try:
             for index, update in enumerate(self._calls.update_connector_output):
                 if composite_meta is not None:
@@ -582,7 +588,10 @@ class KVComposeConnector(KVConnectorBase_V1):
                 self._deferrals.settled(request.request_id)
             if self._instrumentation is not None:
                 self._instrumentation.request_finished(request, bool(async_savers))
-        return bool(async_savers), self._pairing.stamp(params)
+        params = self._pairing.stamp(params)
+        if self._instrumentation is not None and (receipt := self._instrumentation.receipt(request)) is not None:
+            params = with_receipt(params, receipt)
+        return bool(async_savers), params
 
     def register_finished_partial_tail(
         self, request: Request, block_ids: tuple[list[int], ...], partial_tail_offloads: list[tuple[int, int, int]]

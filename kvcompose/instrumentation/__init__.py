@@ -12,7 +12,9 @@ holds an instrumentation of its role, made by :func:`instrument`, and
   for, the children's transfer results and worker metadata.
 
 Nothing is installed on the composite, and with metrics and tracing off there
-is no instrumentation at all.
+is no instrumentation at all, but for ``receipts: true``: the scheduler side
+then holds a :class:`~kvcompose.instrumentation.receipts.ReceiptInstrumentation`,
+which keeps the receipts' books and times no call.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvcompose.instrumentation.base import engine_id_of
 from kvcompose.instrumentation.economics import StreamSampler
+from kvcompose.instrumentation.receipts import ReceiptInstrumentation, Receipts
 from kvcompose.instrumentation.transfers import bytes_per_block
 from kvcompose.instrumentation.scheduler import SchedulerInstrumentation
 from kvcompose.instrumentation.worker import WorkerInstrumentation
@@ -40,15 +43,21 @@ __all__ = ["SchedulerInstrumentation", "WorkerInstrumentation", "instrument"]
 def instrument(
     pipeline: Pipeline, worker: bool, specs: list[ChildSpec], guards: Sequence[GuardRecord], loaders: tuple[int, ...],
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-) -> SchedulerInstrumentation | WorkerInstrumentation | None:
+) -> SchedulerInstrumentation | WorkerInstrumentation | ReceiptInstrumentation | None:
     """The instrumentation of a composite of this role (``worker``: the worker side; ``loaders``: the loading
-    children's indices, in lookup order); None when the pipeline turns metrics and tracing off."""
-    if not (pipeline.metrics.enabled or pipeline.tracing.enabled):
-        return None
+    children's indices, in lookup order); None when the pipeline turns metrics and tracing off (and, on the
+    scheduler side, receipts)."""
+    observed = pipeline.metrics.enabled or pipeline.tracing.enabled
     if worker:
-        return WorkerInstrumentation(pipeline, specs, guards, vllm_config, kv_cache_config)
+        return WorkerInstrumentation(pipeline, specs, guards, vllm_config, kv_cache_config) if observed else None
+    # The receipts' books, and the router's predictions where they are exported (metrics on).
+    receipts = (Receipts(specs, loaders, vllm_config.cache_config.block_size, pipeline.receipts,
+                         pipeline.metrics.enabled) if pipeline.receipts or pipeline.metrics.enabled else None)
+    if not observed:
+        return None if receipts is None else ReceiptInstrumentation(pipeline, specs, receipts,
+                                                                    engine_id_of(vllm_config))
     return SchedulerInstrumentation(pipeline, specs, loaders, engine_id_of(vllm_config),
-                                    stream_sampler(specs, loaders, vllm_config, kv_cache_config))
+                                    stream_sampler(specs, loaders, vllm_config, kv_cache_config), receipts)
 
 
 def stream_sampler(

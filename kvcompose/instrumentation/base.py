@@ -242,7 +242,7 @@ class Instrumentation:
         return None
 
     def blocks_failed(self, block_ids: set[int]) -> None:
-        """vLLM's invalid blocks of a step (``KVConnectorOutput.invalid_block_ids``): loads that failed, to recompute."""
+        """vLLM's invalid blocks of a step (``KVConnectorOutput.invalid_block_ids``): failed loads, to recompute."""
 
     def metadata_built(self, scheduler_output: SchedulerOutput, metadata: KVComposeMetadata) -> None:
         """A step's metadata is built: add what the workers need."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcompose.instrumentation.base import Instrumentation
 from kvcompose.instrumentation.economics import StreamSampler
+from kvcompose.instrumentation.receipts import Receipts
 from kvcompose.instrumentation.transfers import completion_mode, job_requests
 from kvcompose.operations import LookupRound
 from kvcompose.wire.stats import ECONOMICS_KEY
@@ -39,9 +40,10 @@ class SchedulerInstrumentation(Instrumentation):
 
     def __init__(
         self, pipeline: Pipeline, specs: list[ChildSpec], loaders: tuple[int, ...], engine_id: str,
-        stream: StreamSampler | None,
+        stream: StreamSampler | None, receipts: Receipts | None = None,
     ) -> None:
         super().__init__(pipeline, specs, "scheduler", engine_id)
+        self.receipts = receipts  # the receipts' books and the router's predictions (None: neither is kept)
         self._loaders = loaders  # the loaders' indices, in the order of a lookup round's answers
         self._stream = stream if self.recorder.enabled else None  # the prefix-block stream, for tier economics
         # Children whose transfers are jobs in their metadata (their requests join the step's trace).
@@ -53,8 +55,10 @@ class SchedulerInstrumentation(Instrumentation):
     # ---- hooks ----
 
     def admitted(self, request: Request, num_external_tokens: int, lookup_round: LookupRound | None,
-                 loading: int | None) -> None:
+                 loading: int | None, local_tokens: int = 0) -> None:
         req_id = request.request_id
+        if self.receipts is not None:
+            self.receipts.admitted(request, num_external_tokens, local_tokens, loading)
         if self.tracer is not None:
             self.tracer.request_admitted(req_id)
         if req_id in self._admitted:
@@ -71,6 +75,8 @@ class SchedulerInstrumentation(Instrumentation):
     def request_finished(self, request: Request, saves_async: bool) -> None:
         """vLLM finished the request (every child was told). Once no admitted request is left, the next stats
         are flushed."""
+        if self.receipts is not None:  # first: the receipt reads the request's trace
+            self.receipts.finished(request, self.tracer)
         if self.tracer is not None:
             self.tracer.request_finished(request, saves_async=saves_async)
         self._admitted.discard(request.request_id)
@@ -79,6 +85,11 @@ class SchedulerInstrumentation(Instrumentation):
         """Add what the workers need to track transfers and join traces, and whether they flush their stats."""
         if new_requests := scheduler_output.scheduled_new_reqs:
             metadata.saves = {new.req_id: len(new.block_ids[0]) if new.block_ids else 0 for new in new_requests}
+        if self.receipts is not None:
+            if metadata.loads or metadata.cancelled_loads:
+                self.receipts.planned(metadata)
+            if scheduler_output.preempted_req_ids:
+                self.receipts.preempted(scheduler_output.preempted_req_ids)
         if self.tracer is not None:
             moving = job_requests(metadata.per_child[index] for index in self._job_children)
             metadata.traced_requests = self.tracer.step_requests(scheduler_output, metadata.loads, moving)
@@ -96,12 +107,20 @@ class SchedulerInstrumentation(Instrumentation):
         if self.tracer is not None and worker_metadata is not None and worker_metadata.summaries:
             self.tracer.add_summaries(worker_metadata.summaries)
 
+    def receipt(self, request: Request) -> dict[str, Any] | None:
+        return self.receipts.receipt(request) if self.receipts is not None else None
+
+    def blocks_failed(self, block_ids: set[int]) -> None:
+        if self.receipts is not None:
+            self.receipts.blocks_failed(block_ids)
+
     # ---- stats ----
 
     def reports(self, idle: bool) -> dict[str, Any]:
+        reports = self.receipts.report() if self.receipts is not None and self.recorder.enabled else {}
         if self._stream is not None and (report := self._stream.report(now=idle)) is not None:
-            return {ECONOMICS_KEY: report}
-        return {}
+            reports[ECONOMICS_KEY] = report
+        return reports
 
     def idle(self) -> bool:
         idle, self._idle_at_take = self._idle_at_take or not self._admitted, False
@@ -109,6 +128,8 @@ class SchedulerInstrumentation(Instrumentation):
 
     def sizes(self) -> dict[str, int]:
         sizes = super().sizes()
+        if self.receipts is not None:
+            sizes.update(self.receipts.sizes())
         if self._admitted:
             sizes["admitted_requests"] = len(self._admitted)
         return sizes

@@ -24,12 +24,16 @@ from kvcompose.adapters.completion import copy_source
 from kvcompose.live import LiveView, engine_ids
 from kvcompose.metrics.economics import EconomicsSeries
 from kvcompose.metrics.histograms import CellAdder, cell_adder
+from kvcompose.metrics.routing import RoutingSeries
 from kvcompose.metrics.running_calls import RunningCallSeries
 from kvcompose.metrics.transfer_series import TransferSeries
 from kvcompose.wire.calls import COUNTERS, CallTable
 from kvcompose.wire.economics import EconomicsReport
 from kvcompose.wire.native import NativeStats
-from kvcompose.wire.stats import BREAKERS_KEY, CALLS_KEY, ECONOMICS_KEY, NATIVE_KEY, TELEMETRY_KEY, TRANSFERS_KEY
+from kvcompose.wire.routing import RoutingReport
+from kvcompose.wire.stats import (
+    BREAKERS_KEY, CALLS_KEY, ECONOMICS_KEY, NATIVE_KEY, ROUTING_KEY, TELEMETRY_KEY, TRANSFERS_KEY,
+)
 from kvcompose.wire.telemetry import DROP_REASONS, LIVE_SPANS_QUEUED, TelemetryCounters
 from kvcompose.wire.transfers import TransferTable
 
@@ -199,6 +203,7 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
         self.live.start()
         self._economics = EconomicsSeries(metric_types, labelnames, per_engine_labelvalues,
                                           [spec.name for spec in specs])
+        self._routing = RoutingSeries(metric_types, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
@@ -210,6 +215,8 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
             self._transfers.observe(TransferTable.from_payload(transfers), engine_idx)
         if (telemetry := transfer_stats_data.get(TELEMETRY_KEY)) is not None:
             self._observe_telemetry(TelemetryCounters.from_payload(telemetry), engine_idx)
+        if (routing := transfer_stats_data.get(ROUTING_KEY)) is not None:
+            self._routing.observe(RoutingReport.from_payload(routing), engine_idx)
         for child, breaker in transfer_stats_data.get(BREAKERS_KEY, {}).items():
             self._running_calls.breaker_reported(engine_idx, child, breaker["state"])
             if breaker["opens"]:

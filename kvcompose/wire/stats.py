@@ -10,6 +10,7 @@ breaker's report. It crosses processes as plain data (``to_dict``)::
      "transfers": <TransferTable.to_dict()> | None,
      "telemetry": {"dropped": {reason: count}, "spans_queued": count | None, "exporter_restarts": count} | None,
      "economics": <EconomicsReport.to_dict()> | None,
+     "routing": <RoutingReport.to_dict()> | None,
      "native": {child: {"class": "module:Class", "stats": <the child's own stats dict>}},
      "breakers": {child: {"state": 0 closed | 1 open | 2 half-open, "opens": count}}}
 
@@ -26,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvcompose.wire.calls import CallTable
 from kvcompose.wire.economics import EconomicsReport
 from kvcompose.wire.native import NativeStats
+from kvcompose.wire.routing import RoutingReport
 from kvcompose.wire.telemetry import TelemetryCounters
 from kvcompose.wire.transfers import TransferTable
 
@@ -35,6 +37,7 @@ BREAKERS_KEY = "breakers"
 TRANSFERS_KEY = "transfers"
 TELEMETRY_KEY = "telemetry"
 ECONOMICS_KEY = "economics"
+ROUTING_KEY = "routing"
 
 
 class Report(Protocol):
@@ -53,7 +56,7 @@ class Report(Protocol):
 
 # Each report section's key and class (its ``from_payload`` rebuilds it after a process hop).
 SECTIONS: dict[str, Any] = {CALLS_KEY: CallTable, TRANSFERS_KEY: TransferTable, TELEMETRY_KEY: TelemetryCounters,
-                            ECONOMICS_KEY: EconomicsReport}
+                            ECONOMICS_KEY: EconomicsReport, ROUTING_KEY: RoutingReport}
 
 
 @dataclass
