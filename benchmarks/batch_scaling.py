@@ -45,7 +45,8 @@ the part stays near 4 minutes; ``--rounds`` shortens it.
 ``python -m benchmarks.batch_scaling --profile FILE`` instead profiles kvcompose
 as shipped, then MultiConnector, at batch 256 (cProfile, the engine's thread:
 the engine core runs on it) and writes the functions in ``kvcompose/`` with
-the most own time, and each connector call's time under both.
+the most own time, and each connector call's time under both (and the raw
+profiles beside it, for ``pstats``).
 """
 
 from __future__ import annotations
@@ -348,15 +349,19 @@ def profile(path: Path, batches: int = PROFILED_BATCHES) -> str:
 
     batch, requests = max(BATCHES), max(BATCHES) * batches
     profiled: dict[str, tuple[dict[Any, Any], float]] = {}
+    path.parent.mkdir(parents=True, exist_ok=True)
     for name in ("kvc_shipped", BASELINE):
         engine = BatchEngine(kv_transfer_config(name, "http://127.0.0.1:1/v1/traces"))
         try:
             engine.measure(batch)  # the first of this size after the warm-up's small one
-            profiler = cProfile.Profile()
+            # The thread's CPU time, not the wall clock: on a shared machine a function preempted meanwhile would
+            # be charged the other processes' time.
+            profiler = cProfile.Profile(time.thread_time)
             measured = [engine.measure(batch, profiler) for _ in range(batches)]
         finally:
             engine.stop()
         engine_us = statistics.median(1e6 * figures["engine_cpu_s"] / figures["tokens"] for figures in measured)
+        profiler.dump_stats(path.with_name(f"{path.stem}.{name}.pstats"))
         profiled[name] = pstats.Stats(profiler).stats, engine_us  # type: ignore[attr-defined]
     stats, engine_us = profiled["kvc_shipped"]
     package = str(Path(kvcompose.__file__).resolve().parent) + os.sep
@@ -369,7 +374,7 @@ def profile(path: Path, batches: int = PROFILED_BATCHES) -> str:
     framework = sum(row[4] for row in rows if not str(Path(row[0]).resolve()).startswith(children_code))
     lines = [f"kvcompose as shipped (metrics on, tracing off), {batches} batches of {batch} prompts x "
              f"{OUTPUT_TOKENS} output tokens, children OffloadingConnector (kvcompose's CPU spec) and a no-op, "
-             f"engine core in-process; cProfile of the engine's thread over generate() "
+             f"engine core in-process; cProfile of the engine thread's CPU time over generate() "
              f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).",
              f"Engine-process CPU under the profiler: {engine_us:.1f} us per output token, MultiConnector's "
              f"{profiled[BASELINE][1]:.1f} (the profiler's own overhead included: it grows with the calls made).",
@@ -391,8 +396,9 @@ def profile(path: Path, batches: int = PROFILED_BATCHES) -> str:
                        reverse=True):
         ours, theirs = calls["kvc_shipped"].get(call, 0.0), calls[BASELINE].get(call, 0.0)
         lines.append(f"{call:<34} {ours:10.2f} {theirs:10.2f} {ours - theirs:+9.2f}")
+    lines += ["", f"Raw profiles (pstats): {path.stem}.kvc_shipped.pstats and {path.stem}.{BASELINE}.pstats beside "
+              "this file."]
     summary = "\n".join(lines) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(summary)
     return summary
 
