@@ -38,9 +38,12 @@ rounds is reported, beside ``multi_twin``'s ratio. Time to first token is the
 median over a batch's requests (arrival to first token, queueing behind the
 batch's prefill included); tokens/s is output tokens over the call's wall time.
 
-Default rounds: ``ROUNDS`` (8). A round takes about 20 s on 2 cores (the batch
-of 256 about 2.5 s per engine), and starting the five engines about 40 s, so
-the part stays near 4 minutes; ``--rounds`` shortens it.
+Default rounds: ``ROUNDS`` (8), to keep the part near 4 minutes on 2 cores: one
+engine alone starts in about 12 s and takes 3.7 s a round (the batch of 256
+2.5 s of it), so five take about 20 s a round and start in about 40 s. On a
+machine busy with other work it takes longer (at a load of 9: 152 s to start,
+27 s a round, 6 min 39 s in all); ``--rounds`` shortens it. With 8 rounds the
+twin's ratio strays a few percent from 1 (more on a busy machine).
 
 ``python -m benchmarks.batch_scaling --profile FILE`` instead profiles kvcompose
 as shipped, then MultiConnector, at batch 256 (cProfile, the engine's thread:
