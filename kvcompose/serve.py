@@ -24,6 +24,10 @@ one collector, and kvcompose's shared-trace middleware (``--middleware``,
 kvcompose.shared_trace), so they are one trace per request even when the
 caller sent no traceparent. vLLM's spans are named service "vllm"
 (``OTEL_SERVICE_NAME``, unless set), kvcompose's by ``tracing.service_name``.
+
+The server always gets kvcompose's prediction-header middleware
+(kvcompose.prediction_header): a router's ``x-kvcompose-predicted-cached-tokens``
+header is moved into the request's ``kv_transfer_params``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from kvcompose.vllm_names import COMPOSITE_CONNECTOR, COMPOSITE_HMA_CONNECTOR
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 SHARED_TRACE_MIDDLEWARE = "kvcompose.shared_trace.SharedTraceMiddleware"
+PREDICTION_HEADER_MIDDLEWARE = "kvcompose.prediction_header.PredictionHeaderMiddleware"
 VLLM_SERVICE_NAME = "vllm"
 OTLP_TRACES_PATH = "/v1/traces"
 OWN_OPTIONS = ("--trace", "--dry-run")
@@ -153,7 +158,8 @@ def server_command(vllm_args: Sequence[str], config: Mapping[str, Any], endpoint
     if args and not args[0].startswith("-"):
         args[:1] = ["--model", args[0]]
     command = [sys.executable, *QUIET_MODULE_DEPRECATION, "-m", SERVER_MODULE, *args,
-               "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+               "--kv-transfer-config", json.dumps(config, separators=(",", ":")),
+               "--middleware", PREDICTION_HEADER_MIDDLEWARE]  # a router's prediction header, into the request
     if endpoint:  # vLLM traces too, and a request without a traceparent gets one both sides share
         command += ["--otlp-traces-endpoint", endpoint, "--middleware", SHARED_TRACE_MIDDLEWARE]
     return command

@@ -116,7 +116,9 @@ def test_dry_run_shows_the_server_command(tmp_path: Path, capsys: pytest.Capture
     config = json.loads(words[words.index("--kv-transfer-config") + 1])
     assert config["kv_connector_extra_config"]["pipeline"] == str(path.resolve())
     assert words[0] == "OTEL_SERVICE_NAME=vllm" and "--otlp-traces-endpoint" not in words
-    assert "--middleware" not in words
+    assert "kvcompose.shared_trace.SharedTraceMiddleware" not in words
+    assert words[words.index("--kv-transfer-config") + 2:] == [
+        "--middleware", "kvcompose.prediction_header.PredictionHeaderMiddleware"]  # a router's header, always
 
 
 def test_hma_composite_when_every_child_supports_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
