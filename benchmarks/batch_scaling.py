@@ -58,15 +58,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks import end_to_end
 from benchmarks.end_to_end import ENGINE_ENV, REPO
+from benchmarks.engine_run import Prompts, generate
 from benchmarks.otlp_sink import OtlpSink
 
 CONFIGURATIONS = ("multi", "multi_twin", "kvc_shipped", "kvc_request10", "kvc_step")
@@ -115,28 +115,16 @@ class BatchEngine:
     """One engine, measured a batch at a time (in the engine's own process)."""
 
     def __init__(self, kv_transfer_config: dict[str, Any]) -> None:
-        from kvcompose.testing.tiny_model import ensure_tiny_model, prompt_words
+        from kvcompose.testing.tiny_model import ensure_tiny_model
         from tests.engine_support import start_llm
 
         self._llm = start_llm(ensure_tiny_model(), kv_transfer_config, disable_log_stats=False,
                               num_gpu_blocks_override=KV_BLOCKS, max_num_seqs=max(BATCHES))
-        self._new_prompts: Iterator[str] = (prompt_words(seed, PROMPT_WORDS) for seed in range(1_000_000))
-        self._seen: list[str] = []
+        self._prompts = Prompts(PROMPT_WORDS)
         # Warm-up: the largest batch, all new (stored: the first round's repeats), then a small one that loads.
-        self._generate([self._new() for _ in range(max(BATCHES))], 8)
+        generate(self._llm, [self._prompts.new() for _ in range(max(BATCHES))], 8)
         self.measure(min(BATCHES))
         self._exporter_mark = _caught_up_exporter_cpu_s()  # the exporter's start (imports) is not charged
-
-    def _new(self) -> str:
-        prompt = next(self._new_prompts)
-        self._seen.append(prompt)
-        return prompt
-
-    def _generate(self, prompts: list[str], max_tokens: int) -> list[Any]:
-        from vllm import SamplingParams
-
-        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return self._llm.generate(prompts, sampling, use_tqdm=False)
 
     def measure(self, batch: int, profiler: Any = None) -> dict[str, Any]:
         """One batch: half repeats (loaded), half new (saved). ``exporter_s_before``: the span exporter's CPU
@@ -145,15 +133,14 @@ class BatchEngine:
         from benchmarks.stopwatch import exporter_cpu_s
         from kvcompose.tracing import force_flush
 
-        repeated = self._seen[-(batch // 2):]
-        prompts = repeated + [self._new() for _ in range(batch - len(repeated))]
+        prompts = self._prompts.batch(batch)
         exporter_now = exporter_cpu_s()
         exporter_before = exporter_now - getattr(self, "_exporter_mark", exporter_now)
         self._exporter_mark = exporter_now
         if profiler is not None:
             profiler.enable()
         began, began_cpu = time.perf_counter(), time.process_time()
-        outputs = self._generate(prompts, OUTPUT_TOKENS)
+        outputs = generate(self._llm, prompts, OUTPUT_TOKENS)
         wall_s = time.perf_counter() - began
         force_flush()  # the batch's spans leave for the exporter process (the outbox thread would within 0.1 s)
         cpu_s = time.process_time() - began_cpu
@@ -179,48 +166,21 @@ def _caught_up_exporter_cpu_s() -> float:
     return caught_up_exporter_cpu_s()
 
 
-class EngineProcess:
+class EngineProcess(end_to_end.EngineProcess):
     """A ``python -m benchmarks.batch_scaling --engine`` process: a batch at a time on command, answers on a pipe."""
 
+    ENTRY = ("benchmarks.batch_scaling", "--engine")
+    STOP_TIMEOUT_S = STOP_TIMEOUT_S
+
     def __init__(self, name: str, kv_transfer: dict[str, Any], workdir: Path, tree: Path = REPO) -> None:
-        """``tree``: the directory it runs in, whose ``kvcompose`` it imports (see ``benchmarks/compare.py``)."""
-        self.name = name
+        super().__init__(name, kv_transfer, workdir, tree)
         self.traced = name in TRACING
         self.ended = 0.0  # when its last measurement ended (perf_counter)
-        self._log = workdir / f"{name}.log"
-        read_end, write_end = os.pipe()
-        command = [sys.executable, "-m", "benchmarks.batch_scaling", "--engine", json.dumps(kv_transfer),
-                   "--result-fd", str(write_end)]
-        with self._log.open("w") as log:
-            self._process = subprocess.Popen(command, cwd=tree, env={**os.environ, **ENGINE_ENV},
-                                             stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                             pass_fds=(write_end,))
-        os.close(write_end)
-        self._results = os.fdopen(read_end)
 
     def ask(self, command: str) -> dict[str, Any]:
-        if command != "ready":
-            assert self._process.stdin is not None
-            self._process.stdin.write(command + "\n")
-            self._process.stdin.flush()
-        if not (line := self._results.readline()):
-            self._process.wait(timeout=60)
-            raise RuntimeError(f"engine {self.name!r} exited with {self._process.returncode}; its log:\n"
-                               + self._log.read_text()[-4000:])
+        answer = super().ask(command)
         self.ended = time.perf_counter()
-        return json.loads(line)
-
-    def stop(self) -> dict[str, Any]:
-        figures = self.ask("stop")
-        self._process.wait(timeout=STOP_TIMEOUT_S)
-        self._results.close()
-        return figures
-
-    def kill(self) -> None:
-        if self._process.poll() is None:
-            self._process.kill()
-            self._process.wait()
-        self._results.close()
+        return answer
 
 
 def run_rounds(
@@ -296,21 +256,13 @@ def summarize(rounds: list[dict[int, dict[str, dict[str, Any]]]]) -> dict[str, A
             for key in FIGURES:
                 values = [figures[name][key] / figures[BASELINE][key] for figures in per_round]
                 ratio[key] = statistics.median(values)
-                ratio[f"{key}_middle_half"] = _middle_half(values)
+                ratio[f"{key}_middle_half"] = end_to_end.middle_half(values)
             ratio["extra_cpu_us_per_request"] = statistics.median(
                 (figures[name]["cpu_us_per_token"] - figures[BASELINE]["cpu_us_per_token"])
                 * figures[name]["tokens"] / batch for figures in per_round)
             ratios[name] = ratio
         batches[batch] = {"medians": medians, "ratios": ratios}
     return {"rounds": len(rounds), "output_tokens": OUTPUT_TOKENS, "batches": batches}
-
-
-def _middle_half(values: list[float]) -> tuple[float, float]:
-    """The first and third quartiles (the value itself for a single round)."""
-    if len(values) < 2:
-        return values[0], values[0]
-    quartiles = statistics.quantiles(values, n=4)
-    return quartiles[0], quartiles[2]
 
 
 def table(result: dict[str, Any]) -> str:

@@ -133,7 +133,11 @@ def kv_transfer_config(name: str, stores: Path, endpoints: dict[str, str]) -> di
 
 
 class EngineProcess:
-    """A benchmarks/engine_run.py process: a round at a time on command, answers on a pipe."""
+    """An engine in a process of its own (benchmarks/engine_run.py by default): a measurement at a time on
+    command, answers on a pipe."""
+
+    ENTRY = ("benchmarks.engine_run", "--kv-transfer-config")  # its module, and the option its config follows
+    STOP_TIMEOUT_S = STOP_TIMEOUT_S
 
     def __init__(self, name: str, kv_transfer: dict[str, Any] | None, workdir: Path, tree: Path = REPO) -> None:
         """``tree``: the directory it runs in, whose ``kvcompose`` it imports (another version's: see
@@ -141,8 +145,8 @@ class EngineProcess:
         self.name = name
         self._log = workdir / f"{name}.log"
         read_end, write_end = os.pipe()
-        command = [sys.executable, "-m", "benchmarks.engine_run", "--kv-transfer-config", json.dumps(kv_transfer),
-                   "--result-fd", str(write_end)]
+        module, option = self.ENTRY
+        command = [sys.executable, "-m", module, option, json.dumps(kv_transfer), "--result-fd", str(write_end)]
         with self._log.open("w") as log:
             self._process = subprocess.Popen(command, cwd=tree, env={**os.environ, **ENGINE_ENV}, stdin=subprocess.PIPE,
                                              stdout=log, stderr=subprocess.STDOUT, text=True, pass_fds=(write_end,))
@@ -162,7 +166,7 @@ class EngineProcess:
 
     def stop(self) -> dict[str, Any]:
         figures = self.ask("stop")
-        self._process.wait(timeout=STOP_TIMEOUT_S)
+        self._process.wait(timeout=self.STOP_TIMEOUT_S)
         self._results.close()
         return figures
 
@@ -229,7 +233,7 @@ def summarize(rounds: list[dict[str, dict[str, float]]], stopped: dict[str, dict
                 per_round[f"ttft_{prefix}from_cost"] = [
                     _ttft_from_cost(measured[subject], measured[baseline], framework_only) for measured in rounds]
             ratios[label] = {key: statistics.median(values) for key, values in per_round.items()}
-            ratios[label]["tokens_per_s_middle_half"] = _middle_half(per_round["tokens_per_s"])
+            ratios[label]["tokens_per_s_middle_half"] = middle_half(per_round["tokens_per_s"])
     return {"rounds": len(rounds), "medians": medians, "ratios": ratios, "per_round": rounds}
 
 
@@ -275,8 +279,10 @@ def _by_call_table(medians: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _middle_half(values: list[float]) -> tuple[float, float]:
-    """The first and third quartiles."""
+def middle_half(values: list[float]) -> tuple[float, float]:
+    """The first and third quartiles (the value itself for a single round)."""
+    if len(values) < 2:
+        return values[0], values[0]
     quartiles = statistics.quantiles(values, n=4)
     return quartiles[0], quartiles[2]
 

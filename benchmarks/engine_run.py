@@ -58,47 +58,63 @@ def _memory_mib() -> dict[str, float]:
     return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
 
 
+class Prompts:
+    """Prompts of ``words`` words an engine has not seen yet (``new``), and those it was sent (``seen``)."""
+
+    def __init__(self, words: int) -> None:
+        from kvcompose.testing.tiny_model import prompt_words
+
+        self._source: Iterator[str] = (prompt_words(seed, words) for seed in range(1_000_000))
+        self.seen: list[str] = []
+
+    def new(self) -> str:
+        prompt = next(self._source)
+        self.seen.append(prompt)
+        return prompt
+
+    def batch(self, size: int) -> list[str]:
+        """Half the latest prompts again (they are loaded), the rest new."""
+        repeated = self.seen[-(size // 2):]
+        return repeated + [self.new() for _ in range(size - len(repeated))]
+
+
+def generate(llm: Any, prompts: list[str], max_tokens: int) -> list[Any]:
+    """Greedy, every prompt to ``max_tokens`` tokens."""
+    from vllm import SamplingParams
+
+    return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+
+
 class MeasuredEngine:
     def __init__(self, kv_transfer_config: dict[str, Any] | None) -> None:
-        from kvcompose.testing.tiny_model import ensure_tiny_model, prompt_words
+        from kvcompose.testing.tiny_model import ensure_tiny_model
         from tests.engine_support import start_llm
 
         started = time.perf_counter()
         self._llm = start_llm(ensure_tiny_model(), kv_transfer_config, disable_log_stats=False,
                               num_gpu_blocks_override=KV_BLOCKS)
         self.start_s = time.perf_counter() - started
-        self._new_prompts: Iterator[str] = (prompt_words(seed, PROMPT_WORDS) for seed in range(1_000_000))
-        self._seen: list[str] = []
-        self._generate([self._new() for _ in range(BATCH)], 16)  # warm-up
+        self._prompts = Prompts(PROMPT_WORDS)
+        generate(self._llm, [self._prompts.new() for _ in range(BATCH)], 16)  # warm-up
         self.baseline_rss_mib = _memory_mib()["VmRSS"]
         self._exporter_cpu_s = exporter_cpu_s()
-
-    def _new(self) -> str:
-        prompt = next(self._new_prompts)
-        self._seen.append(prompt)
-        return prompt
-
-    def _generate(self, prompts: list[str], max_tokens: int) -> list[Any]:
-        from vllm import SamplingParams
-
-        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return self._llm.generate(prompts, sampling, use_tqdm=False)
 
     def round(self) -> dict[str, Any]:
         ENGINE.reset()
         CHILDREN.reset()
         outbox_before = outbox_thread_cpu_s()
-        ttft_s = [self._generate([self._new()], 1)[0].metrics.first_token_latency for _ in range(TTFT_PROMPTS)]
+        ttft_s = [generate(self._llm, [self._prompts.new()], 1)[0].metrics.first_token_latency
+                  for _ in range(TTFT_PROMPTS)]
         connector_us_per_first_token = 1e6 * ENGINE.seconds / TTFT_PROMPTS
         children_us_per_first_token = 1e6 * CHILDREN.seconds / TTFT_PROMPTS
         outbox_after_first = outbox_thread_cpu_s()
-        repeated = self._seen[-(BATCH // 2):]
-        prompts = repeated + [self._new() for _ in range(BATCH - len(repeated))]
+        prompts = self._prompts.batch(BATCH)
         ENGINE.reset()
         CHILDREN.reset()
         FRONT_END.reset()
         began, began_cpu = time.perf_counter(), time.process_time()
-        outputs = self._generate(prompts, OUTPUT_TOKENS)
+        outputs = generate(self._llm, prompts, OUTPUT_TOKENS)
         elapsed, elapsed_cpu = time.perf_counter() - began, time.process_time() - began_cpu
         tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
         exporter_now = exporter_cpu_s()
