@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvcompose.adapters.completion import completion_mode
+from kvcompose.adapters.offloading import job_requests
 from kvcompose.instrumentation.base import Instrumentation
 from kvcompose.instrumentation.economics import StreamSampler
 from kvcompose.instrumentation.receipts import Receipts
-from kvcompose.instrumentation.transfers import completion_mode, job_requests
 from kvcompose.operations import LookupRound
 from kvcompose.wire.stats import ECONOMICS_KEY
 

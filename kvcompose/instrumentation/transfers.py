@@ -54,8 +54,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcompose.adapters import nixl, offloading
 from kvcompose.adapters.completion import CopySource, completion_mode
-from kvcompose.adapters.completion import copy_source as copy_source  # imported from here by tests/test_transfers.py
-from kvcompose.adapters.offloading import job_requests as job_requests  # ... and by instrumentation/scheduler.py
 from kvcompose.logs import get_logger
 from kvcompose.operations import DIRECTIONS, Direction, Outcome
 
