@@ -181,6 +181,20 @@ def _hit_ratio_drop(p: Mapping[str, Value]) -> Rule:
     )
 
 
+def _router_overpredicting(p: Mapping[str, Value]) -> Rule:
+    return Rule(
+        "rate(kvcompose_router_overpredicted_tokens_total[15m])\n"
+        "  / rate(kvcompose_router_predicted_tokens_total[15m])\n"
+        f"> {number(p['overpredicted_share'])}\n"
+        f"and rate(kvcompose_router_predictions_total[15m]) > {number(p['min_prediction_rate'])}",
+        "Routers over-predict the cached tokens of {{ $labels.model_name }} by {{ $value | humanizePercentage }}",
+        f"{{{{ $value | humanizePercentage }}}} of the prompt tokens routers predicted {_WHERE} held over the last "
+        f"15m were not there (alert above {percent(p['overpredicted_share'])} with over "
+        f"{number(p['min_prediction_rate'])} predictions/s, for {p['for']}). The router's prefix index is stale or "
+        "its tier weights are too high: requests it sent here for their cache recompute those tokens.",
+    )
+
+
 # What each reason of kvcompose_spans_dropped_total means (kvcompose/wire/telemetry.py).
 _DROP_CAUSES = {
     "queue_full": "its export queue is full, so the OTLP collector is unreachable or slower than the span rate",
@@ -292,6 +306,10 @@ ALERTS: tuple[Alert, ...] = (
         Parameter("drop_factor", 0.5, "alert when the 1h hit ratio is below this share of the 1d hit ratio"),
         Parameter("min_lookup_rate", 0.1, "lookups/s a child must answer over the hour for the ratio to count"),
     ), _hit_ratio_drop),
+    Alert("KVComposeRouterOverpredicting", KVCOMPOSE_GROUP, "warning", "15m", (
+        Parameter("overpredicted_share", 0.2, "share of the predicted tokens that were not there"),
+        Parameter("min_prediction_rate", 0.1, "predictions/s an engine must get over 15m for the share to count"),
+    ), _router_overpredicting),
     Alert("KVComposeSpansDropped", KVCOMPOSE_GROUP, "warning", "15m", (
         Parameter("dropped_rate", 0.0, "spans/s dropped, per reason"),
     ), _spans_dropped),

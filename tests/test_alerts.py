@@ -31,7 +31,9 @@ UNIT_TESTS = PROMETHEUS_DIR / "alerts_test.yaml"
 RUNBOOKS = REPO / "docs" / "runbooks"
 REGENERATE = "kvcompose generate  (or: python -m kvcompose.deploy generate)"
 METRIC = re.compile(r"\b(kvcompose_\w+|vllm:\w+)")
-WITHOUT_CONNECTOR = {"kvcompose_spans_dropped_total", "kvcompose_exporter_restarts_total"}  # per engine, not per child
+WITHOUT_CONNECTOR = {"kvcompose_spans_dropped_total", "kvcompose_exporter_restarts_total",  # per engine, not per child
+                     "kvcompose_router_predictions_total", "kvcompose_router_predicted_tokens_total",
+                     "kvcompose_router_overpredicted_tokens_total"}
 # In the real exposition (test_dashboard_promql._real_exposition) one state each: hot stuck, cold half-open.
 CHILDREN_IN_STATE = {"KVComposeChildStuck": {"hot"}, "KVComposeChildCircuitOpen": {"cold"}}
 RUNBOOK_SECTIONS = ["## Symptom", "## Impact", "## Diagnose", "## Mitigate", "## Escalate"]

@@ -428,7 +428,9 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
                                 block_bytes=2**20, write_waste={"hot": 0.25}, prefill_seconds_per_token=1e-6)
     prom.observe({"economics": economics.to_dict(), "calls": recorder.take().to_dict(),
                   "transfers": transfers.take().to_dict(), "breakers": breakers, "native": native,
-                  "telemetry": telemetry}, 0)
+                  "telemetry": telemetry, "routing": {"predictions": 2, "predicted_tokens": 512, "reused_tokens": 128,
+                                                      "overpredicted_tokens": 384, "underpredicted_tokens": 0,
+                                                      "invalid": 1}}, 0)
     # hot's lookup is stuck (state 3); cold keeps its half-open breaker (2) and a call running long, not stuck yet
     _publish_stuck_calls(prom, engine_ids(config, [0])[0], [["hot", "lookup", 12.0, True],
                                                              ["cold", "start_load_kv", 0.5, False]])
