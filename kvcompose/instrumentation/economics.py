@@ -16,8 +16,10 @@ prefix caching off the GPU cache serves no prefix hits: its capacity is
 reported as 0 blocks, and the tiers' reaches start at 0.
 
 Worker side (:class:`PrefillCost`): the engine's marginal cost of prefilling
-a token, fitted to the steps the worker observes (those whose engine wait it
-knows). A step's forward pass, from binding its metadata to clearing it, less
+a token, fitted to the steps that prefill (a step that only decodes says
+nothing of the prefill slope, and where requests come one at a time it would
+make the prefill and decode counts move together, so that no slope could be
+told). A step's forward pass, from binding its metadata to clearing it, less
 its children's blocking calls, is modelled as a fixed cost plus a cost per
 prefill token plus a cost per decode token (the scheduler counts both into the
 metadata), by least squares over the steps, exponentially weighted so the fit

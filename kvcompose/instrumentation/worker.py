@@ -83,7 +83,8 @@ class WorkerInstrumentation(Instrumentation):
                     if seconds := waits.of(spec.index, direction):
                         self.transfer_recorder.waited(spec.index, direction, seconds)
                         waited += seconds
-            if self._prefill is not None:  # the forward pass, without the children's part of it
+            if self._prefill is not None and self._computed[0]:
+                # A step that prefills: its forward pass, without the children's part of it.
                 self._prefill.step_ended((time_ns() - self._bound_ns) / 1e9 - waited, *self._computed)
             self.tracker.end_step()
         if self.tracer is not None:
