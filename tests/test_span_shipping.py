@@ -181,6 +181,20 @@ def test_sampling_follows_the_caller_and_the_ratio_on_trace_ids() -> None:
     assert not Sampling(parent_based=False, root_ratio=0.0).sampled(1, parent_sampled=True)
 
 
+def test_a_request_without_a_caller_is_a_root_whatever_span_is_current() -> None:
+    """vLLM's own tracing, or another request's caller, may leave a span current on the engine's thread: a request
+    without a traceparent is decided by its trace id all the same, not by that span's flag."""
+    from opentelemetry import context, trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    unsampled = NonRecordingSpan(SpanContext(7, 7, is_remote=True, trace_flags=TraceFlags(TraceFlags.DEFAULT)))
+    token = context.attach(trace.set_span_in_context(unsampled))
+    try:
+        assert Sampling(parent_based=True, root_ratio=1.0).sampled(IDS.trace_id(), None)
+    finally:
+        context.detach(token)
+
+
 def test_the_pipe_keeps_frames_in_order_and_refuses_whole_what_does_not_fit(monkeypatch: Any) -> None:
     import os
 

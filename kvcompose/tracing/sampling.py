@@ -36,6 +36,9 @@ def _caller(sampled: bool) -> Context:
 
 
 _CALLERS = {True: _caller(True), False: _caller(False)}
+# A request without a caller is a root, whatever span is current on the thread that decides (``None`` would make
+# ParentBased follow the thread's current span: vLLM's own, or a caller's of another request).
+_ROOT = Context()
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Sampling:
 
     def sampled(self, trace_id: int, parent_sampled: bool | None) -> bool:
         """``parent_sampled``: the caller's flag, or None when the request has no traceparent."""
-        caller = None if parent_sampled is None else _CALLERS[parent_sampled]
+        caller = _ROOT if parent_sampled is None else _CALLERS[parent_sampled]
         return self._sampler.should_sample(caller, trace_id, SPAN_NAME).decision.is_sampled()
 
 
