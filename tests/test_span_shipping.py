@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -170,6 +171,30 @@ def test_a_collector_outage_drops_and_counts_with_bounded_memory() -> None:
 ])
 def test_sampling_settings(ratio: float | None, environ: dict[str, str], expected: Sampling) -> None:
     assert sampling_for(ratio, environ) == expected
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a machine of two cores or more, with CPU affinity")
+def test_the_exporter_runs_on_every_core_though_its_engine_is_pinned_to_one() -> None:
+    """vLLM's CPU backend pins the engine's threads to the cores its OpenMP threads keep busy; an exporter that
+    kept the pin got no time beside them, and a prefill/decode pair's spans waited until shutdown."""
+    receiver = SpanReceiver()
+    every_core = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(every_core)})  # as vLLM pins the thread that builds the connector
+    try:
+        shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
+        shipper.ship(_records(shipper, 1, IDS.trace_id()))
+    finally:
+        os.sched_setaffinity(0, every_core)
+    try:
+        exporter = shipper._exporter
+        assert exporter is not None
+        wait_until(lambda: exporter.pid is not None)
+        assert os.sched_getaffinity(exporter.pid) == every_core
+        wait_until(lambda: len(receiver.spans()) == 1)
+    finally:
+        shipper.close()
+        receiver.stop()
 
 
 def test_sampling_follows_the_caller_and_the_ratio_on_trace_ids() -> None:
