@@ -214,20 +214,8 @@ def _log_lost(settings: dict[str, Any], lost: int, flush_s: float) -> None:
                                   service_name=settings["service_name"])
 
 
-def _unpin() -> None:
-    """Run on any core the machine allows. vLLM's CPU backend pins the engine's threads to the cores its OpenMP
-    threads keep busy, and an exporter started after that inherits the pin: beside a spinning thread it gets
-    no time, and its spans wait until the engine ends."""
-    if hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        except OSError:  # a CPU set this process may not widen: it keeps the one it has
-            pass
-
-
 def main() -> None:
     engine_pid, data_fd, wake_fd, accounts_fd = map(int, sys.argv[1:5])
-    _unpin()
     link = EngineLink(data_fd, wake_fd, accounts_fd)
     link.report(Accounts())  # its process id, for the engine's logs
     watch = _EngineWatch(engine_pid)

@@ -53,7 +53,15 @@ _SLACK = 2 * 4096
 # The exporter's first process: it forks the exporter and exits at once, so that the exporter is not the
 # engine's descendant (vLLM kills those: see kvcompose.tracing.export_process). An isolated interpreter
 # without site packages starts in milliseconds: the exporter is out of the engine's tree before it imports.
-_LAUNCHER = "import os, sys\nif os.fork() == 0:\n    os.execv(sys.executable, [sys.executable, '-m', *sys.argv[1:]])\n"
+# It first widens its CPU set to every core: vLLM's CPU backend pins the engine's threads to the cores its
+# OpenMP threads keep busy, and an exporter that inherited the pin got no time beside them (its imports
+# alone took minutes), so a server's spans waited until shutdown.
+_LAUNCHER = (
+    "import os, sys\n"
+    "try:\n    os.sched_setaffinity(0, range(os.cpu_count() or 1))\n"
+    "except (AttributeError, OSError):\n    pass\n"
+    "if os.fork() == 0:\n    os.execv(sys.executable, [sys.executable, '-m', *sys.argv[1:]])\n"
+)
 EXPORTER_MODULE = "kvcompose.tracing.export_process"
 
 
