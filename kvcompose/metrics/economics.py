@@ -10,11 +10,10 @@ known are priced once it is).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from kvcompose.wire.economics import GPU, EconomicsReport
+from kvcompose.wire.economics import EconomicsReport
 
 
 class EconomicsSeries:
