@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -173,14 +175,31 @@ def test_sampling_settings(ratio: float | None, environ: dict[str, str], expecte
     assert sampling_for(ratio, environ) == expected
 
 
+def _openmp_runtime() -> str | None:
+    """The OpenMP runtime vLLM's CPU backend preloads into its processes: torch's libgomp."""
+    torch = importlib.util.find_spec("torch")
+    if torch is None or torch.origin is None:
+        return None
+    found = sorted((Path(torch.origin).parent / "lib").glob("libgomp*.so*"))
+    return str(found[0]) if found else None
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs a machine of two cores or more, with CPU affinity")
-def test_the_exporter_runs_on_every_core_though_its_engine_is_pinned_to_one() -> None:
-    """vLLM's CPU backend pins the engine's threads to the cores its OpenMP threads keep busy; an exporter that
-    kept the pin got no time beside them, and a prefill/decode pair's spans waited until shutdown."""
+def test_the_exporter_runs_on_every_core_though_its_engine_is_pinned_to_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU backend pins the engine's threads to the cores its OpenMP threads keep busy, and gives its worker
+    processes an environment that binds OpenMP's first thread to them (``GOMP_CPU_AFFINITY``, ``OMP_PLACES``,
+    ``OMP_PROC_BIND``, with libgomp preloaded), which a process started from there inherits. An exporter that kept
+    either pin got no time beside the busy threads, and a prefill/decode pair's spans waited until shutdown."""
     receiver = SpanReceiver()
     every_core = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(every_core)})  # as vLLM pins the thread that builds the connector
+    engine_core = min(every_core)
+    if (openmp := _openmp_runtime()) is not None:
+        monkeypatch.setenv("LD_PRELOAD", openmp)
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", str(engine_core))
+    monkeypatch.setenv("OMP_PLACES", f"{{{engine_core}}}")
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    os.sched_setaffinity(0, {engine_core})  # as vLLM pins the thread that builds the connector
     try:
         shipper = ProcessShipper(TracingSection(enabled=True, endpoint=receiver.endpoint), "0")
         shipper.ship(_records(shipper, 1, IDS.trace_id()))

@@ -63,6 +63,10 @@ _LAUNCHER = (
     "if os.fork() == 0:\n    os.execv(sys.executable, [sys.executable, '-m', *sys.argv[1:]])\n"
 )
 EXPORTER_MODULE = "kvcompose.tracing.export_process"
+# vLLM's CPU backend gives its worker processes these, with libgomp preloaded: the OpenMP runtime then binds a
+# process's first thread to the worker's cores as it loads, in every process started from there with them. The
+# exporter runs no OpenMP; it starts without them (and the launcher above drops the thread's own pin).
+_OPENMP_PLACEMENT = ("GOMP_CPU_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND", "KMP_AFFINITY")
 
 
 class Accounts(NamedTuple):
@@ -122,7 +126,8 @@ class ExporterLink:
     def start(self) -> None:
         accounts_read, accounts_write = os.pipe()
         package_root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        env = {name: value for name, value in os.environ.items() if name not in _OPENMP_PLACEMENT}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
         fds = (self._data_read, self._wake_read, accounts_write)
         try:
             self.launcher = subprocess.Popen(
