@@ -1,10 +1,12 @@
 """Which experimental vLLM offloading APIs kvcompose's offloading spec relies on.
 
-vLLM's out-of-tree offloading spec interface is experimental and changed
-shape between releases (0.30/0.31 had ``OffloadingHandler`` and
-``vllm.v1.kv_offload.abstract``). An engine whose vLLM lacks any of the names
-below stops at start-up with one line naming the vLLM version and what is
-missing, instead of an ``ImportError`` or an ``AttributeError`` mid-run.
+vLLM's out-of-tree offloading spec interface is experimental and has
+changed shape before (an ``OffloadingHandler`` and
+``vllm.v1.kv_offload.abstract`` preceded ``vllm.v1.kv_offload.base``). The
+vLLM builds kvcompose tests against (0.30 to 0.32, ``make test-compat``) all
+have the names below; an engine whose vLLM lacks any of them stops at start-up
+with one line naming the vLLM version and what is missing, instead of an
+``ImportError`` or an ``AttributeError`` mid-run.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def missing_offload_api(lookup: Callable[[str], Any | None] = default_lookup) ->
 def unsupported_message(version: str, missing: Iterable[str]) -> str:
     """The one-line start-up error."""
     return (
-        f"kvcompose.offload needs vLLM's offloading worker API (vLLM 0.32 has it); "
+        f"kvcompose.offload needs vLLM's offloading worker API (vLLM 0.30 to 0.32 have it); "
         f"vLLM {version} lacks {', '.join(missing)}"
     )
 
