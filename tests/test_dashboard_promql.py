@@ -65,6 +65,10 @@ def info(labels: str, pipeline: str, child: str, position: int) -> tuple[str, st
             f'connector_class="ExampleConnector", position="{position}"}}', gauge(1))
 
 
+# The router prediction counters of engine "0", per second (kvcompose/metrics/routing.py).
+ROUTER_RATES = {"predictions": 0.5, "predicted_tokens": 64, "reused_tokens": 48, "overpredicted_tokens": 24,
+                "underpredicted_tokens": 8, "predictions_invalid": 0.25}
+
 # Quartiles of one call per second: 1/4 under 0.25 s, 1/4 in (0.25, 0.5], 1/2 in (0.5, 1]:
 # p50 = 0.25 + 0.25 * (0.5 - 0.25) / 0.25 = 0.5, p90 = 0.5 + 0.5 * (0.9 - 0.5) / 0.5 = 0.9, p99 = 0.99.
 SPREAD = {"0.25": 0.25, "0.5": 0.5, "1": 1.0, "+Inf": 1.0}
@@ -157,6 +161,10 @@ SERIES: list[tuple[str, str]] = [
     # vLLM's external prefix-cache counters, in tokens: 8 tok/s hit (hot's loads) of 32 tok/s queried.
     (f"vllm:external_prefix_cache_hits_total{{{M}}}", counter(8)),
     (f"vllm:external_prefix_cache_queries_total{{{M}}}", counter(32)),
+    # Routers' predictions checked on engine "0": 0.5 predictions/s of 64 tok/s predicted, of which 24 tok/s were
+    # not there (over: 24 / 64 = 0.375 of the predicted) while 8 tok/s were reused beyond the prediction (under:
+    # 8 / 64 = 0.125), so 64 - 24 + 8 = 48 tok/s reused; 0.25 invalid predictions/s.
+    *((f"kvcompose_router_{name}_total{{{M}}}", counter(rate)) for name, rate in ROUTER_RATES.items()),
     # OffloadingConnector on "hot": 1024 B/s loaded in 1/1024 s/s of transfer time = 2^20 B/s while
     # transferring; 512 B/s stored in the same time = 2^19 B/s.
     ("vllm:kv_offload_load_bytes_total{%s}" % HOT, counter(1024)),
@@ -218,6 +226,7 @@ for decoy in (OTHER_ENGINE, OTHER_MODEL):
         (f"kvcompose_exporter_restarts_total{{{decoy}}}", counter(1)),
         (f"vllm:external_prefix_cache_hits_total{{{decoy}}}", counter(100)),
         (f"vllm:external_prefix_cache_queries_total{{{decoy}}}", counter(100)),
+        *((f"kvcompose_router_{name}_total{{{decoy}}}", counter(1 + index)) for index, name in enumerate(ROUTER_RATES)),
     ]
 
 
@@ -283,6 +292,12 @@ EXPECTED: dict[str, list[tuple[dict[str, str], float]]] = {
     "transfer_failures": [({"connector": "hot", "direction": "load", "outcome": "failed"}, 0.25),
                           ({"connector": "hot", "direction": "save", "outcome": "failed"}, 0),
                           ({"connector": "cold", "direction": "load", "outcome": "aborted"}, 0.5)],
+    "router_predictions": [({"model_name": "m", "engine": "0"}, 0.5)],
+    "router_overpredicted_share": [({"model_name": "m", "engine": "0"}, 0.375)],
+    "router_underpredicted_share": [({"model_name": "m", "engine": "0"}, 0.125)],
+    "router_invalid": [({"model_name": "m", "engine": "0"}, 0.25)],
+    "router_predicted_tokens": [({"model_name": "m", "engine": "0"}, 64)],
+    "router_reused_tokens": [({"model_name": "m", "engine": "0"}, 48)],
     "offload_load_bytes": [({"connector": "hot"}, 1024)],
     "offload_store_bytes": [({"connector": "hot"}, 512)],
     "offload_load_bandwidth": [({"connector": "hot"}, 2**20)],

@@ -7,6 +7,7 @@ from kvcompose.dashboard.model import PanelSpec, State
 from kvcompose.metrics.running_calls import STUCK
 
 TOKENS_PER_SECOND = "count:tok/s"
+REQUESTS_PER_SECOND = "count:req/s"
 SECONDS_PER_SECOND = "count:s/s"  # engine seconds per second of wall time
 
 OVERVIEW: tuple[PanelSpec, ...] = (
@@ -182,6 +183,37 @@ TIER_ECONOMICS: tuple[PanelSpec, ...] = (
         "Tokens a child held beyond those the load policy loaded (from another child, or none): what "
         "longest_match would have loaded more than first_match (kvcompose_tokens_forgone_total).",
         TOKENS_PER_SECOND, (q.TOKENS_FORGONE,), min=0,
+    ),
+)
+
+ROUTING: tuple[PanelSpec, ...] = (
+    PanelSpec(
+        "Router predictions",
+        "Finished requests per second whose router sent a valid prediction of the prompt tokens this engine held "
+        "(kv_transfer_params kvcompose.predicted_cached_tokens, or the x-kvcompose-predicted-cached-tokens header "
+        "under kvcompose serve; kvcompose_router_predictions_total).",
+        REQUESTS_PER_SECOND, (q.ROUTER_PREDICTIONS,), width=6, min=0,
+    ),
+    PanelSpec(
+        "Over- and under-prediction",
+        "Of the prompt tokens routers predicted this engine held: over, the share that was not there (each "
+        "request's max(predicted - reused, 0)); under, reused tokens beyond the prediction, in the same unit (it "
+        "can exceed 1). Over-prediction means a stale router index or tier weights set too high: alert "
+        "KVComposeRouterOverpredicting.",
+        "percentunit", (q.ROUTER_OVERPREDICTED_SHARE, q.ROUTER_UNDERPREDICTED_SHARE), width=6, min=0,
+    ),
+    PanelSpec(
+        "Invalid predictions",
+        "Requests per second whose prediction was not an integer from 0 to the prompt's length: counted, ignored "
+        "(kvcompose_router_predictions_invalid_total). Many mean a router or proxy sends something other than a token count.",
+        REQUESTS_PER_SECOND, (q.ROUTER_INVALID,), width=6, min=0,
+    ),
+    PanelSpec(
+        "Reused vs predicted tokens",
+        "predicted: prompt tokens routers predicted this engine held; reused: the tokens those requests reused, "
+        "GPU prefix cache plus loads (failed loads excluded); both per second, over requests with a valid "
+        "prediction.",
+        TOKENS_PER_SECOND, (q.ROUTER_PREDICTED_TOKENS, q.ROUTER_REUSED_TOKENS), width=6, min=0,
     ),
 )
 

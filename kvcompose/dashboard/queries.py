@@ -29,6 +29,9 @@ ENGINE_SERIES = frozenset({
     "kvcompose_cache_size_hit_ratio", "kvcompose_kv_block_bytes", "kvcompose_prefill_seconds_per_token",
     "kvcompose_spans_dropped_total", "kvcompose_spans_queued", "kvcompose_exporter_restarts_total",
     "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
+    "kvcompose_router_predictions_total", "kvcompose_router_predicted_tokens_total",
+    "kvcompose_router_reused_tokens_total", "kvcompose_router_overpredicted_tokens_total",
+    "kvcompose_router_underpredicted_tokens_total", "kvcompose_router_predictions_invalid_total",
 })
 
 
@@ -62,12 +65,20 @@ def _sum_rate(by: str, metric: str, scope: Scope, *extra: str) -> str:
     return f"sum by ({by}) ({_rate(metric, scope, *extra)})"
 
 
+def _engine_rate(metric: str, scope: Scope) -> str:
+    """The per-second increase of a series of the whole engine, one per model and engine."""
+    return _sum_rate("model_name, engine", metric, scope)
+
+
 def _max_by(by: str, metric: str, scope: Scope) -> str:
     return f"max by ({by}) ({selector(metric, scope)})"
 
 
 def _quantile(q: float, histogram: str, by: str, scope: Scope, *extra: str) -> str:
     return f"histogram_quantile({q}, {_sum_rate(f'le, {by}', f'{histogram}_bucket', scope, *extra)})"
+
+
+ENGINE_LEGEND = "{{model_name}} engine {{engine}}"
 
 
 @dataclass(frozen=True)
@@ -153,12 +164,11 @@ SPANS_DROPPED = Query(
     "spans_dropped", "{{reason}}", lambda s: _sum_rate("reason", "kvcompose_spans_dropped_total", s)
 )
 SPANS_QUEUED = Query(
-    "spans_queued", "{{model_name}} engine {{engine}}",
+    "spans_queued", ENGINE_LEGEND,
     lambda s: _max_by("model_name, engine", "kvcompose_spans_queued", s),
 )
 EXPORTER_RESTARTS = Query(
-    "exporter_restarts", "{{model_name}} engine {{engine}}",
-    lambda s: _sum_rate("model_name, engine", "kvcompose_exporter_restarts_total", s),
+    "exporter_restarts", ENGINE_LEGEND, lambda s: _engine_rate("kvcompose_exporter_restarts_total", s),
 )
 
 # Each child's transfers (kvcompose/metrics/transfer_series.py), by direction (load, save): the three times
@@ -239,6 +249,36 @@ TOKENS_FORGONE = Query(
     "tokens_forgone", "{{connector}}", lambda s: _sum_rate("connector", "kvcompose_tokens_forgone_total", s)
 )
 
+
+# Routers' predictions of a request's cached prompt tokens, checked against what it reused
+# (kvcompose/metrics/routing.py): series of the engine, one per model and engine.
+def _share_of_predicted(metric: str, s: Scope) -> str:
+    return f"{_engine_rate(metric, s)} / {_engine_rate('kvcompose_router_predicted_tokens_total', s)}"
+
+
+ROUTER_PREDICTIONS = Query(
+    "router_predictions", ENGINE_LEGEND, lambda s: _engine_rate("kvcompose_router_predictions_total", s)
+)
+ROUTER_OVERPREDICTED_SHARE = Query(
+    "router_overpredicted_share", f"{ENGINE_LEGEND} over",
+    lambda s: _share_of_predicted("kvcompose_router_overpredicted_tokens_total", s),
+)
+ROUTER_UNDERPREDICTED_SHARE = Query(
+    "router_underpredicted_share", f"{ENGINE_LEGEND} under",
+    lambda s: _share_of_predicted("kvcompose_router_underpredicted_tokens_total", s),
+)
+ROUTER_INVALID = Query(
+    "router_invalid", ENGINE_LEGEND, lambda s: _engine_rate("kvcompose_router_predictions_invalid_total", s)
+)
+ROUTER_PREDICTED_TOKENS = Query(
+    "router_predicted_tokens", f"{ENGINE_LEGEND} predicted",
+    lambda s: _engine_rate("kvcompose_router_predicted_tokens_total", s),
+)
+ROUTER_REUSED_TOKENS = Query(
+    "router_reused_tokens", f"{ENGINE_LEGEND} reused",
+    lambda s: _engine_rate("kvcompose_router_reused_tokens_total", s),
+)
+
 # OffloadingConnector's own series (vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py).
 OFFLOAD_LOAD_BYTES = Query(
     "offload_load_bytes", "{{connector}} load", lambda s: _sum_rate("connector", "vllm:kv_offload_load_bytes_total", s)
@@ -291,6 +331,8 @@ QUERIES: tuple[Query, ...] = (
     *COPY_LATENCY, COPY_THROUGHPUT, *LIFETIME, ENGINE_WAIT, TRANSFER_BYTES, TRANSFERS_IN_FLIGHT, TRANSFER_FAILURES,
     HIT_RATIO_BY_SIZE, CAPACITY_MARKS, TIER_CAPACITY_BYTES, PREFILL_SAVED, NET_VALUE, PREFILL_COST, WRITE_WASTE,
     TOKENS_FORGONE,
+    ROUTER_PREDICTIONS, ROUTER_OVERPREDICTED_SHARE, ROUTER_UNDERPREDICTED_SHARE, ROUTER_INVALID,
+    ROUTER_PREDICTED_TOKENS, ROUTER_REUSED_TOKENS,
     OFFLOAD_LOAD_BYTES, OFFLOAD_STORE_BYTES, OFFLOAD_LOAD_BANDWIDTH, OFFLOAD_STORE_BANDWIDTH,
     OFFLOAD_LOOKUP_P99, OFFLOAD_CPU_USAGE, OFFLOAD_ALLOCATION_FAILURES,
     *NIXL_TRANSFER_TIME, NIXL_BYTES, NIXL_FAILED_TRANSFERS, NIXL_EXPIRED_REQUESTS,
