@@ -3,14 +3,23 @@
 Each appends one JSON line per ``get_num_new_matched_tokens`` answer and per ``update_state_after_alloc``
 call to the file its config names (``record``), so the count can be read back from an engine core running in
 another process. Request ids and token counts only.
+
+:class:`EventRecordingOffloadingConnector` writes down instead each KV event it hands vLLM (``take_events``), in
+the order it hands them, to ``events_record`` under its ``label`` with the number of the ``take_events`` call
+(one per step): the event's kind, medium, block count and a
+digest of its msgpack encoding (the form vLLM's ZMQ publisher sends), never the block hashes themselves.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
@@ -42,6 +51,32 @@ class RecordingExampleConnector(_RecordsAdmissions, ExampleConnector):
 
 class RecordingOffloadingConnector(_RecordsAdmissions, OffloadingConnector):
     pass
+
+
+def event_record(event: KVCacheEvent) -> dict[str, Any]:
+    """What identifies a KV event exactly without writing its block hashes: the digest of its msgpack bytes."""
+    return {"kind": type(event).__name__, "medium": event.medium, "blocks": len(event.block_hashes),
+            "digest": hashlib.sha256(msgspec.msgpack.encode(event)).hexdigest()}
+
+
+class EventRecordingOffloadingConnector(OffloadingConnector):
+    """OffloadingConnector writing down each KV event it hands vLLM, in the order it hands them."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self._events_record, self._label = Path(extra["events_record"]), extra["label"]
+        self._takes = 0  # vLLM's calls of take_events: one per step
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        self._takes += 1
+        return self._recorded(super().take_events(), self._takes)
+
+    def _recorded(self, events: Iterable[KVCacheEvent], take: int) -> Iterator[KVCacheEvent]:
+        for event in events:
+            with self._events_record.open("a") as record:
+                record.write(json.dumps({"child": self._label, "take": take, **event_record(event)}) + "\n")
+            yield event
 
 
 def counted(path: Path) -> dict[str, int]:
