@@ -12,6 +12,10 @@ batch both saves and loads. Configurations:
   engines read apart in this run (the measurement's floor);
 - ``kvc_shipped``: KVComposeConnector as shipped (``kvcompose.config``'s
   defaults: metrics on, tracing off);
+- ``kvc_receipts``: as shipped with ``receipts: true``, every request carrying
+  a router's prediction (``PREDICTION``: right for the repeats, over for the
+  new prompts), so each gets a receipt and the router counters count it
+  (docs/receipts.md);
 - ``kvc_request10``: tracing at request granularity, 10% of requests sampled
   (``tracing.sample_ratio: 0.1``);
 - ``kvc_step``: tracing at step granularity, every request.
@@ -40,7 +44,8 @@ batch's prefill included); tokens/s is output tokens over the call's wall time.
 
 Default rounds: ``ROUNDS`` (8), to keep the part near 4 minutes on 2 cores: one
 engine alone starts in about 12 s and takes 3.7 s a round (the batch of 256
-2.5 s of it), so five take about 20 s a round and start in about 40 s. On a
+2.5 s of it), so five took about 20 s a round and started in about 40 s (each
+configuration adds about as much). On a
 machine busy with other work it takes longer (at a load of 9: 152 s to start,
 27 s a round, 6 min 39 s in all); ``--rounds`` shortens it. With 8 rounds the
 twin's ratio strays a few percent from 1 (more on a busy machine).
@@ -69,14 +74,17 @@ from benchmarks.end_to_end import ENGINE_ENV, REPO
 from benchmarks.engine_run import Prompts, generate
 from benchmarks.otlp_sink import OtlpSink
 
-CONFIGURATIONS = ("multi", "multi_twin", "kvc_shipped", "kvc_request10", "kvc_step")
+CONFIGURATIONS = ("multi", "multi_twin", "kvc_shipped", "kvc_receipts", "kvc_request10", "kvc_step")
 TRACING = {"kvc_request10": {"granularity": "request", "sample_ratio": 0.1},
            "kvc_step": {"granularity": "step", "sample_ratio": 1.0}}
 BASELINE, TWIN = "multi", "multi_twin"
+RECEIPTS = "kvc_receipts"
 BATCHES = (8, 64, 256)
 OUTPUT_TOKENS = 64
 ROUNDS = 8
 PROMPT_WORDS = 160  # with the BOS token 161: one full 128-token block (the CPU engine's) is saved and loaded
+# A router's prediction on every request of kvc_receipts: the one block a repeat loads (a new prompt has none).
+PREDICTION = {"kvcompose": {"predicted_cached_tokens": 128}}
 KV_BLOCKS = 1024  # a batch of 256 holds 512 blocks (161 + 64 tokens each), plus those held while saves finish
 OFFLOAD_BYTES = 64 << 20  # 512 blocks of 128 KiB: the latest 256 prompts, the repeats among them, stay stored
 NOOP_MODULE = "kvcompose.testing.noop"
@@ -108,6 +116,8 @@ def kv_transfer_config(name: str, endpoint: str) -> dict[str, Any]:
     ]}
     if name in TRACING:
         pipeline["tracing"] = {"enabled": True, "exporter": "otlp", "endpoint": endpoint, **TRACING[name]}
+    if name == RECEIPTS:
+        pipeline["receipts"] = True
     return render(load_pipeline(pipeline), pipeline)
 
 
@@ -121,6 +131,8 @@ class BatchEngine:
         self._llm = start_llm(ensure_tiny_model(), kv_transfer_config, disable_log_stats=False,
                               num_gpu_blocks_override=KV_BLOCKS, max_num_seqs=max(BATCHES))
         self._prompts = Prompts(PROMPT_WORDS)
+        pipeline = kv_transfer_config["kv_connector_extra_config"].get("pipeline", {})
+        self._kv_transfer_params = PREDICTION if pipeline.get("receipts") else None  # a router in front of it
         # Warm-up: the largest batch, all new (stored: the first round's repeats), then a small one that loads.
         generate(self._llm, [self._prompts.new() for _ in range(max(BATCHES))], 8)
         self.measure(min(BATCHES))
@@ -140,7 +152,7 @@ class BatchEngine:
         if profiler is not None:
             profiler.enable()
         began, began_cpu = time.perf_counter(), time.process_time()
-        outputs = generate(self._llm, prompts, OUTPUT_TOKENS)
+        outputs = generate(self._llm, prompts, OUTPUT_TOKENS, self._kv_transfer_params)
         wall_s = time.perf_counter() - began
         force_flush()  # the batch's spans leave for the exporter process (the outbox thread would within 0.1 s)
         cpu_s = time.process_time() - began_cpu

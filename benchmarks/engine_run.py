@@ -78,12 +78,15 @@ class Prompts:
         return repeated + [self.new() for _ in range(size - len(repeated))]
 
 
-def generate(llm: Any, prompts: list[str], max_tokens: int) -> list[Any]:
-    """Greedy, every prompt to ``max_tokens`` tokens."""
+def generate(llm: Any, prompts: list[str], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
+             ) -> list[Any]:
+    """Greedy, every prompt to ``max_tokens`` tokens; ``kv_transfer_params``: sent with every request, as the
+    OpenAI server passes a request body's."""
     from vllm import SamplingParams
 
-    return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                        use_tqdm=False)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+    return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                                extra_args=extra), use_tqdm=False)
 
 
 class MeasuredEngine:

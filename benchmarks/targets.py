@@ -143,6 +143,8 @@ def batch_scaling_checks(result: dict[str, Any]) -> list[Check]:
         for name, label, figure, limit, at_most in (
             ("kvc_shipped", "process CPU per output token, kvcompose as shipped", "cpu_us_per_token",
              BATCH_SHIPPED_MAX_CPU_VS_MULTI, True),
+            ("kvc_receipts", "process CPU per output token, receipts and router predictions", "cpu_us_per_token",
+             BATCH_SHIPPED_MAX_CPU_VS_MULTI, True),
             ("kvc_request10", "process CPU per output token, 10% of requests traced", "cpu_us_per_token",
              BATCH_SAMPLED_MAX_CPU_VS_MULTI, True),
             ("kvc_step", "time to first token, step tracing", "ttft_ms", BATCH_STEP_MAX_TTFT_VS_MULTI, True),

@@ -183,6 +183,7 @@ def test_batch_scaling_configurations_are_valid_kv_transfer_configs(name: str) -
     pipeline = config["kv_connector_extra_config"]["pipeline"]
     assert [child["connector"] for child in pipeline["children"]] == ["OffloadingConnector", "NoopConnector"]
     assert "metrics" not in pipeline  # as shipped: kvcompose's defaults
+    assert pipeline.get("receipts", False) == (name == batch_scaling.RECEIPTS)
     tracing = pipeline.get("tracing", {})
     assert tracing.get("enabled", False) == (name in batch_scaling.TRACING)
     if name in batch_scaling.TRACING:
@@ -230,10 +231,12 @@ def test_batch_scaling_summary_takes_ratios_within_each_round() -> None:
                 "loaded_tokens": batch // 2 * 128}
 
     # Per round the machine's speed differs; within it kvcompose as shipped costs 1% more CPU per token than
-    # MultiConnector, 10% request tracing 2%, step tracing 5%, with 3% fewer tokens/s and 8% longer TTFT.
+    # MultiConnector, with receipts and predictions 1.5%, 10% request tracing 2%, step tracing 5%, with 3% fewer
+    # tokens/s and 8% longer TTFT.
     rounds = [{batch: {"multi": figures(batch, 100 * speed, 1000 / speed, 10 * speed),
                        "multi_twin": figures(batch, 100.5 * speed, 1000 / speed, 10 * speed),
                        "kvc_shipped": figures(batch, 101 * speed, 1000 / speed, 10 * speed),
+                       "kvc_receipts": figures(batch, 101.5 * speed, 1000 / speed, 10 * speed),
                        "kvc_request10": figures(batch, 102 * speed, 1000 / speed, 10 * speed),
                        "kvc_step": figures(batch, 105 * speed, 970 / speed, 10.8 * speed)}
                for batch in batch_scaling.BATCHES} for speed in (1.0, 1.5, 0.8)]
@@ -249,8 +252,10 @@ def test_batch_scaling_summary_takes_ratios_within_each_round() -> None:
     assert largest["medians"]["multi"]["cpu_us_per_token"] == 100
     assert "multi" not in largest["ratios"]
     checks = targets.batch_scaling_checks(result)
-    assert len(checks) == 4 * len(batch_scaling.BATCHES)
-    assert [check.met for check in checks[:4]] == [True, True, True, True]
+    assert len(checks) == 5 * len(batch_scaling.BATCHES)
+    assert [check.met for check in checks[:5]] == [True, True, True, True, True]
+    assert checks[1].target == ("batch of 8: process CPU per output token, receipts and router predictions "
+                                "<= 1.02x MultiConnector") and checks[1].value.startswith("1.015x")
     assert checks[0].target == "batch of 8: process CPU per output token, kvcompose as shipped <= 1.02x MultiConnector"
     assert checks[0].value.endswith("; two identical MultiConnector engines: 1.005x")
     rendered = batch_scaling.table(result)
