@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -160,18 +162,17 @@ def exact_lru_by_tenant(stream: list[tuple[str, list[int]]], sizes: list[int]) -
     return {tenant: [hit / references[tenant] for hit in counts] for tenant, counts in hits.items()}
 
 
-def _prometheus(config: Any) -> tuple[Any, Callable[[], Any]]:
+def _prometheus(config: Any) -> tuple[Any, Callable[[], str]]:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
     from prometheus_client.exposition import generate_latest
 
     from kvcompose.connectors import KVComposeConnector
-    from kvcompose.exposition import read
 
     registry = CollectorRegistry()
     metric_types: dict[type, Any] = {kind: functools.partial(kind, registry=registry)
                                      for kind in (Counter, Gauge, Histogram)}
     prom = KVComposeConnector.build_prom_metrics(config, metric_types, ["model_name", "engine"], {0: ["m", "0"]})
-    return prom, lambda: read(generate_latest(registry).decode())
+    return prom, lambda: generate_latest(registry).decode()
 
 
 def _by_label(exposition: Any, name: str, label: str, **labels: str) -> dict[str, float]:
@@ -181,13 +182,16 @@ def _by_label(exposition: Any, name: str, label: str, **labels: str) -> dict[str
     return found
 
 
-def test_an_exact_simulation_of_200_tenants(vllm_config_with: Callable, tmp_path: Any) -> None:
+def test_an_exact_simulation_of_200_tenants(vllm_config_with: Callable, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
+    from kvcompose.cli import main
     from kvcompose.connectors import KVComposeConnector
+    from kvcompose.exposition import read
 
     recording.CALL_LOGS.pop("tenants/tier", None)
     config = vllm_config_with({**COMPOSITE, "kv_connector_extra_config": {"pipeline": {
@@ -226,7 +230,8 @@ def test_an_exact_simulation_of_200_tenants(vllm_config_with: Callable, tmp_path
             scheduler.build_connector_meta(scheduler_output())  # an idle step: reports go out now
             if (stats := scheduler.get_kv_connector_stats()) is not None:
                 prom.observe(type(stats).from_payload(stats.to_dict()).to_dict(), 0)
-    metrics = exposition()
+    text = exposition()
+    metrics = read(text)
 
     # Exactly the true top 20 by prompt tokens are labelled; labels plus other sum to the totals.
     prompt_totals: dict[str, int] = {}
@@ -268,3 +273,29 @@ def test_an_exact_simulation_of_200_tenants(vllm_config_with: Callable, tmp_path
     assert max(errors.values()) <= MAX_MEAN_ABSOLUTE_ERROR, errors
     assert exact[true_top[0]][sizes.index(GPU_BLOCKS)] > 0.3  # the curves say something
     assert max(exact[t][-1] for t in true_top) - min(exact[t][-1] for t in true_top) > 0.05  # tenants differ
+
+    # kvcompose advise --by-tenant on that exposition: each tenant's figures, and its hit ratio at the GPU size.
+    saved = tmp_path / "metrics.txt"
+    saved.write_text(text)
+    try:
+        main(["advise", "--metrics", str(saved), "--by-tenant", "--json"])
+    except SystemExit as exit_:
+        assert exit_.code in (0, None)
+    advice = json.loads(capsys.readouterr().out)
+    tenants = {tenant["name"]: tenant for tenant in advice["tenants"]}
+    assert set(tenants) == set(prompt_by_label)
+    assert [tenant["name"] for tenant in advice["tenants"]][:3] == sorted(
+        prompt_by_label, key=prompt_by_label.get, reverse=True)[:3]
+    assert sum(tenant["prompt_share"] for tenant in advice["tenants"]) == pytest.approx(1.0)
+    for tenant in true_top:
+        figures = tenants[tenant]
+        assert figures["prompt_tokens"] == prompt_by_label[tenant]
+        assert figures["tiers"]["tier"]["tokens"] == loaded_by_label[tenant]
+        assert figures["tiers"]["tier"]["prefill_saved_s"] == pytest.approx(saved_by_label[tenant])
+        assert figures["hit_ratio_at_gpu"] == pytest.approx(exact[tenant][sizes.index(GPU_BLOCKS)],
+                                                            abs=MAX_MEAN_ABSOLUTE_ERROR)
+    main(["advise", "--metrics", str(saved), "--by-tenant"])
+    text_advice = capsys.readouterr().out
+    assert f"{true_top[0]}: {prompt_by_label[true_top[0]]:,.0f} prompt tokens" in text_advice
+    main(["advise", "--metrics", str(saved), "--json"])
+    assert "tenants" not in json.loads(capsys.readouterr().out)  # only when asked
