@@ -32,7 +32,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcompose.economics.curve import Curve
-from kvcompose.economics.observations import DIRECTIONS, Observations, TenantAmounts, TierAmounts
+from kvcompose.economics.observations import (
+    DIRECTIONS,
+    Observations,
+    TenantAmounts,
+    TierAmounts,
+)
 from kvcompose.economics.sizes import Reach, blocks_to_gib
 from kvcompose.exposition import quantile
 
