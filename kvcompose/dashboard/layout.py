@@ -2,11 +2,11 @@
 
 Without a pipeline, one dashboard fits every pipeline: an overview, the
 children's live health, the calls into each child, its transfers and the
-tiers' economics (one series per child), and collapsed rows for the native
+tiers' economics (one series per child), the tenants, and collapsed rows for the native
 metrics of OffloadingConnector and NIXL children. With a pipeline, the
 overview and live health are followed by one row per child, holding that
 child's calls, its transfers and, for a known class, its native panels, and
-then the tiers' economics.
+then the tiers' economics and the tenants.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from kvcompose.config import Pipeline
 from kvcompose.dashboard.model import PanelSpec, panel_json, row_json
 from kvcompose.dashboard.panels import (
-    CHILD_CALLS, LIVE_HEALTH, NATIVE_PANELS, NIXL, OFFLOADING, OVERVIEW, TIER_ECONOMICS, TRANSFERS,
+    CHILD_CALLS, LIVE_HEALTH, NATIVE_PANELS, NIXL, OFFLOADING, OVERVIEW, TENANTS, TIER_ECONOMICS, TRANSFERS,
 )
 from kvcompose.dashboard.queries import Scope
 from kvcompose.dashboard.variables import template_variables
@@ -48,6 +48,7 @@ def sections(pipeline: Pipeline | None) -> list[Section]:
             Section("Calls into each child", CHILD_CALLS),
             Section("Transfers", TRANSFERS),
             Section("Tier economics", TIER_ECONOMICS),
+            Section("Tenants", TENANTS),
             Section("OffloadingConnector children", OFFLOADING, collapsed=True),
             Section("NIXL children", NIXL, collapsed=True),
         ]
@@ -58,6 +59,7 @@ def sections(pipeline: Pipeline | None) -> list[Section]:
                   CHILD_CALLS + TRANSFERS + NATIVE_PANELS.get(child.connector, ()), Scope(child.name))
           for child in pipeline.children),
         Section("Tier economics", TIER_ECONOMICS),
+        Section("Tenants", TENANTS),
     ]
 
 
