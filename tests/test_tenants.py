@@ -299,3 +299,76 @@ def test_an_exact_simulation_of_200_tenants(vllm_config_with: Callable, tmp_path
     assert f"{true_top[0]}: {prompt_by_label[true_top[0]]:,.0f} prompt tokens" in text_advice
     main(["advise", "--metrics", str(saved), "--json"])
     assert "tenants" not in json.loads(capsys.readouterr().out)  # only when asked
+
+
+# ---- the scheduler's books: where the tenant comes from, and hostile tenants ---------------------------------
+
+
+def _books(top_k: int) -> Any:
+    from kvcompose.config import TenantsSection
+    from kvcompose.instrumentation.tenants import TenantBooks
+
+    return TenantBooks(TenantsSection(top_k=top_k), None)
+
+
+def _request(req_id: str, params: Any = None, lora: str | None = None, salt: str | None = None,
+             tokens: int = 32) -> Any:
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params} if params is not None else None)
+    return Request(req_id, list(range(tokens)), sampling, None, cache_salt=salt,
+                   lora_request=LoRARequest(lora, 1, "/nonexistent") if lora is not None else None)
+
+
+def test_a_real_request_is_labelled_by_its_params_then_its_lora_adapter_never_its_salt() -> None:
+    books = _books(top_k=4)
+    assert books.admitted(_request("a", lora="adapter-x")) == "adapter-x"
+    assert books.admitted(_request("b", {"kvcompose": {"tenant": "acme"}}, lora="adapter-x")) == "acme"
+    assert books.admitted(_request("c", salt="s3cret")) == NONE
+    assert books.admitted(_request("d", {"kvcompose": {"tenant": "x\x00y"}}, lora="adapter-x")) == INVALID
+    report = books.report(now=True)
+    assert report.prompt_tokens == {"adapter-x": 32, "acme": 32, NONE: 32, INVALID: 32}
+    assert sorted(report.labelled) == ["acme", "adapter-x"]
+    assert "s3cret" not in repr(report.to_dict())
+
+
+def _run(tenants: list[str], top_k: int) -> tuple[Any, Callable[[], Any]]:
+    """The requests of ``tenants`` (one each, 32 prompt tokens) through the scheduler's books and the
+    front-end's series, reported every 1000 requests as the stats would carry them."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from prometheus_client.exposition import generate_latest
+
+    from kvcompose.exposition import read
+    from kvcompose.metrics.tenants import TenantSeries
+
+    registry = CollectorRegistry()
+    types: dict[type, Any] = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    series = TenantSeries(types, ["model_name", "engine"], {0: ["m", "0"]}, ["disk"])
+    books = _books(top_k)
+    for index, tenant in enumerate(tenants):
+        label = books.admitted(_request(f"r{index}", {"kvcompose": {"tenant": tenant}}))
+        books.loaded(label, "disk", 16)
+        if index % 1000 == 999 or index == len(tenants) - 1:
+            series.observe(TenantReport.from_payload(books.report(now=True).to_dict()), 0, 1e-3)
+    return books, lambda: read(generate_latest(registry).decode())
+
+
+def test_100000_distinct_tenants_leave_the_heavy_tenants_figures_unchanged_and_the_series_bounded() -> None:
+    heavy = [f"heavy-{index}" for index in range(5)]
+    noisy = [*heavy]
+    for index in range(100_000):
+        noisy.append("k" * 1024 if index % 100 == 0 else f"one-off-{index}")  # a KB-long value, 1000 times
+        if index % 50 == 0:
+            noisy += heavy
+    books, metrics = _run(noisy, top_k=5)
+    _, quiet_metrics = _run(heavy * 2001, top_k=5)
+    prompts = _by_label(metrics(), "kvcompose_tenant_prompt_tokens_total", "tenant")
+    quiet_prompts = _by_label(quiet_metrics(), "kvcompose_tenant_prompt_tokens_total", "tenant")
+    assert len(prompts) <= 5 + 3 and len(books._sketch) <= 256
+    assert sum(prompts.values()) == 32 * len(noisy)
+    for tenant in heavy:
+        assert prompts[tenant] == quiet_prompts[tenant] == 32 * 2001
+    loaded = _by_label(metrics(), "kvcompose_tenant_loaded_tokens_total", "tenant")
+    assert sum(loaded.values()) == 16 * len(noisy) and set(loaded) == set(prompts)
