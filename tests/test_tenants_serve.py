@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,14 +71,10 @@ def tenants_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 def _complete(server: Server, prompt: str, model: str | None = None, params: Any = None,
               headers: dict[str, str] | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model or server.model, "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
-                            "ignore_eos": True}
+    fields = {"model": model} if model is not None else {}
     if params is not None:
-        body["kv_transfer_params"] = params
-    request = urllib.request.Request(f"{server.url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.load(response)
+        fields["kv_transfer_params"] = params
+    return server.complete(prompt, max_tokens=6, headers=headers, **fields)
 
 
 def _by_tenant(server: Server, name: str, **labels: str) -> dict[str, float]:
