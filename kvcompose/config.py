@@ -171,6 +171,19 @@ class MetricsSection(_Section):
         return buckets
 
 
+class TenantsSection(_Section):
+    """Per-tenant series, with their cardinality bounded (docs/tenants.md)."""
+
+    top_k: Annotated[int, Field(ge=0, le=200)] = Field(
+        20, description="The tenants with the most prompt tokens over the recent window that get a label of their "
+        "own; every other tenant counts as 'other'. 0 turns per-tenant series off.",
+    )
+    half_life_s: Annotated[float, Field(gt=0.0)] = Field(
+        3600.0, description="The window the top tenants are chosen over: a prompt token's weight halves in this "
+        "many seconds.",
+    )
+
+
 class LoggingSection(_Section):
     """kvcompose's own structured logs."""
 
@@ -189,6 +202,7 @@ class Pipeline(_Section):
     tracing: TracingSection = TracingSection()
     metrics: MetricsSection = MetricsSection()
     logging: LoggingSection = LoggingSection()
+    tenants: TenantsSection = TenantsSection()
     watchdog_s: Annotated[float, Field(gt=0)] | None = Field(
         5.0, description="A call into a child still running after this many seconds is logged (with the child's "
         "stack) and shown as stuck (kvcompose_child_state 3) until it returns; a request's lookup that a child keeps "

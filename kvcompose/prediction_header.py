@@ -1,15 +1,19 @@
-"""A router's prediction sent as a header, moved into the request under ``kvcompose serve``.
+"""kvcompose's request headers, moved into the request under ``kvcompose serve``: a router's prediction, a tenant.
 
 A prefix-aware router may send its prediction of the prompt tokens the engine
 holds as the header ``x-kvcompose-predicted-cached-tokens: N`` rather than in
-the body. :class:`PredictionHeaderMiddleware`, an ASGI middleware that
-``kvcompose serve`` gives vLLM's server (``--middleware``), moves it into the
-JSON body as ``kv_transfer_params: {"kvcompose": {"predicted_cached_tokens":
-N}}``, where the engine reads it (kvcompose.instrumentation.receipts). A
-prediction already in the body wins; a body that is not a JSON object, or
-whose ``kv_transfer_params`` is not one, is passed on unchanged. A header
-value that is not a decimal integer is passed as the string it is, so the
-engine counts it invalid. Requests without the header are not touched.
+the body, and a gateway the request's tenant as ``x-kvcompose-tenant: NAME``.
+:class:`PredictionHeaderMiddleware`, an ASGI middleware that ``kvcompose
+serve`` gives vLLM's server (``--middleware``), moves them into the JSON body
+as ``kv_transfer_params: {"kvcompose": {"predicted_cached_tokens": N,
+"tenant": NAME}}``, where the engine reads them
+(kvcompose.instrumentation.receipts, kvcompose.instrumentation.tenants). A
+value already in the body wins; a body that is not a JSON object, or whose
+``kv_transfer_params`` is not one, is passed on unchanged. A prediction that
+is not a decimal integer is passed as the string it is, so the engine counts
+it invalid; a tenant is passed as the string it is (cut to
+:data:`MAX_HEADER_VALUE` characters), for the engine's label rule
+(kvcompose.wire.tenants). Requests without either header are not touched.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kvcompose.wire.routing import PARAMS_KEY, PREDICTED_HEADER, PREDICTED_KEY
+from kvcompose.wire.tenants import TENANT_HEADER, TENANT_KEY
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
-HEADER = PREDICTED_HEADER.encode()
 _INTEGER = re.compile(r"-?[0-9]{1,18}")
 MAX_HEADER_VALUE = 256  # characters of a value passed on (an invalid one is counted, not read)
 
@@ -35,8 +39,21 @@ def predicted_value(header: bytes) -> int | str:
     return int(text) if _INTEGER.fullmatch(text) else text[:MAX_HEADER_VALUE]
 
 
-def with_prediction(body: bytes, value: int | str) -> bytes | None:
-    """``body`` with the prediction in its kv_transfer_params; None where it stays as it is."""
+def tenant_header_value(header: bytes) -> str:
+    """The header's value as the tenant: the (cut) string; the engine makes it a label or counts it invalid."""
+    return header.decode("latin-1")[:MAX_HEADER_VALUE]
+
+
+# Each header moved: the kvcompose entry's key it goes to, and how its value is read.
+HEADERS: dict[bytes, tuple[str, Callable[[bytes], int | str]]] = {
+    PREDICTED_HEADER.encode(): (PREDICTED_KEY, predicted_value),
+    TENANT_HEADER.encode(): (TENANT_KEY, tenant_header_value),
+}
+
+
+def with_entries(body: bytes, values: dict[str, int | str]) -> bytes | None:
+    """``body`` with ``values`` in its kv_transfer_params' kvcompose entry, where the body has none of its own;
+    None where it stays as it is."""
     try:
         document = json.loads(body)
     except (ValueError, RecursionError):
@@ -45,14 +62,14 @@ def with_prediction(body: bytes, value: int | str) -> bytes | None:
         return None
     params = document.get("kv_transfer_params")
     if params is None:
-        document["kv_transfer_params"] = {PARAMS_KEY: {PREDICTED_KEY: value}}
+        document["kv_transfer_params"] = {PARAMS_KEY: dict(values)}
     elif not isinstance(params, dict):
         return None
     elif (entry := params.get(PARAMS_KEY)) is None:
-        params[PARAMS_KEY] = {PREDICTED_KEY: value}
-    elif isinstance(entry, dict) and PREDICTED_KEY not in entry:
-        entry[PREDICTED_KEY] = value
-    else:  # the body's own prediction (or junk there) wins
+        params[PARAMS_KEY] = dict(values)
+    elif isinstance(entry, dict) and (missing := {key: value for key, value in values.items() if key not in entry}):
+        entry.update(missing)
+    else:  # the body's own values (or junk there) win
         return None
     try:
         return json.dumps(document).encode()
@@ -61,18 +78,21 @@ def with_prediction(body: bytes, value: int | str) -> bytes | None:
 
 
 class PredictionHeaderMiddleware:
-    """Moves ``x-kvcompose-predicted-cached-tokens`` into the request's kv_transfer_params; see the module
-    docstring."""
+    """Moves ``x-kvcompose-predicted-cached-tokens`` and ``x-kvcompose-tenant`` into the request's
+    kv_transfer_params; see the module docstring."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
                        send: Callable[[Any], Awaitable[None]]) -> None:
-        header = None
+        values: dict[str, int | str] = {}
         if scope["type"] == "http" and scope.get("method") == "POST":
-            header = next((value for name, value in scope["headers"] if name == HEADER), None)
-        if header is None:
+            for name, value in scope["headers"]:
+                if (moved := HEADERS.get(name)) is not None:
+                    key, read = moved
+                    values.setdefault(key, read(value))
+        if not values:
             await self.app(scope, receive, send)
             return
         chunks, message = [], None
@@ -85,10 +105,11 @@ class PredictionHeaderMiddleware:
                 message = None
                 break
         body = b"".join(chunks)
-        rewritten = with_prediction(body, predicted_value(header)) if message is None else None
+        rewritten = with_entries(body, values) if message is None else None
         if rewritten is not None:
             body = rewritten
-            headers = [(name, value) for name, value in scope["headers"] if name not in (b"content-length", HEADER)]
+            headers = [(name, value) for name, value in scope["headers"]
+                       if name != b"content-length" and name not in HEADERS]
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         pending = [{"type": "http.request", "body": body, "more_body": False}] if message is None else [
             {"type": "http.request", "body": body, "more_body": True}, message]

@@ -16,6 +16,10 @@ summed over the server's engines:
 - slowest: the slowest transfer among the lifetime histogram's exemplars of the last 5 minutes, with
   its trace id.
 
+Below it, where the pipeline counts tenants (``tenants.top_k``), one row per tenant label, busiest first:
+prompt tokens, tokens the tiers loaded for it and prefill seconds that saved, per second between the
+last two reads, and the share of its prompt tokens the tiers loaded since the server started.
+
 ``--once`` reads twice, ``--interval`` apart (1 s by default), prints one frame
 and exits: status 1 when the server cannot be read or runs no kvcompose
 pipeline. The live view needs ``rich`` (``pip install 'kvcompose[top]'``);
@@ -45,6 +49,9 @@ ONCE_INTERVAL_S = 1.0
 # Servers running an earlier kvcompose name the lifetime histogram kvcompose_transfer_duration_seconds.
 LIFETIME = ("kvcompose_transfer_lifetime_seconds", "kvcompose_transfer_duration_seconds")
 COPY = "kvcompose_transfer_copy_seconds"
+TENANT_PROMPT = "kvcompose_tenant_prompt_tokens_total"
+TENANT_LOADED = "kvcompose_tenant_loaded_tokens_total"
+TENANT_SAVED = "kvcompose_tenant_prefill_seconds_saved_total"
 QUANTILES = (0.5, 0.99)
 
 
@@ -56,7 +63,8 @@ def add_command(commands: Commands) -> None:
     top = commands.add_parser("top", help="watch one server's tiers live, from its /metrics/ (no Prometheus)",
                               description="A live per-tier view of one vLLM server running a kvcompose pipeline: "
                               "hit ratio, transfers and bytes per second, copy and lifetime p50/p99, in flight, "
-                              "breaker state and the trace id of the slowest recent transfer.")
+                              "breaker state and the trace id of the slowest recent transfer; per tenant, prompt and loaded "
+                              "tokens and prefill seconds saved per second.")
     top.add_argument("url", help="the vLLM server, e.g. http://127.0.0.1:8000 (its /metrics/ is read)")
     top.add_argument("--once", action="store_true", help="read twice, print one frame and exit (for scripts)")
     top.add_argument("--interval", type=float, metavar="SECONDS",
@@ -117,10 +125,22 @@ class TierRow:
 
 
 @dataclass(frozen=True)
+class TenantRow:
+    """One tenant label's figures in a frame: rates between the two reads; None where there is nothing yet."""
+
+    name: str
+    prompt_per_second: float | None
+    loaded_per_second: float | None  # summed over the tiers
+    saved_per_second: float | None  # prefill seconds per second
+    loaded_share: float | None  # of its prompt tokens, loaded by a tier, since the server started
+
+
+@dataclass(frozen=True)
 class Frame:
     pipeline: str | None
     seconds: float  # between the two reads the rates cover
     rows: list[TierRow]
+    tenants: list[TenantRow] = field(default_factory=list)
 
 
 def frame(before: Scrape, now: Scrape, wall_clock: float | None = None) -> Frame:
@@ -153,7 +173,19 @@ def frame(before: Scrape, now: Scrape, wall_clock: float | None = None) -> Frame
         row.slowest = _slowest(now.series(f"{lifetime}_bucket", connector=tier), wall_clock - RECENT_S)
         rows.append(row)
     info = now.series("kvcompose_pipeline_info")
-    return Frame(info[0].labels.get("pipeline") if info else None, seconds, rows)
+    return Frame(info[0].labels.get("pipeline") if info else None, seconds, rows, _tenant_rows(before, now, seconds))
+
+
+def _tenant_rows(before: Scrape, now: Scrape, seconds: float) -> list[TenantRow]:
+    rows = []
+    for tenant in {sample.labels["tenant"] for sample in now.series(TENANT_PROMPT)}:
+        prompt, loaded = now.total(TENANT_PROMPT, tenant=tenant), now.total(TENANT_LOADED, tenant=tenant)
+        rows.append(TenantRow(
+            tenant, _rate(before, now, TENANT_PROMPT, {"tenant": tenant}, seconds),
+            _rate(before, now, TENANT_LOADED, {"tenant": tenant}, seconds),
+            _rate(before, now, TENANT_SAVED, {"tenant": tenant}, seconds),
+            loaded / prompt if prompt else None))
+    return sorted(rows, key=lambda row: (-(row.prompt_per_second or 0.0), row.name))
 
 
 def _tiers(scrape: Scrape) -> list[str]:
@@ -220,6 +252,15 @@ COLUMNS = ("tier", "state", "hit", "load/s", "save/s", "load copy p50/p99", "loa
            "save copy p50/p99", "save life p50/p99", "load B/s", "save B/s", "in flight l/s", "slowest (trace)")
 
 
+TENANT_COLUMNS = ("tenant", "prompt tok/s", "loaded tok/s", "saved s/s", "loaded share")
+
+
+def tenant_cells(row: TenantRow) -> list[str]:
+    """``row`` as the text of each of :data:`TENANT_COLUMNS`."""
+    return [row.name, _per_second(row.prompt_per_second), _per_second(row.loaded_per_second),
+            _per_second(row.saved_per_second), "-" if row.loaded_share is None else f"{row.loaded_share:.0%}"]
+
+
 def cells(row: TierRow) -> list[str]:
     """``row`` as the text of each of :data:`COLUMNS`."""
     in_flight = "/".join(str(row.in_flight[d]) for d in DIRECTIONS) if row.in_flight else "-"
@@ -249,7 +290,15 @@ def _render(url: str, shown: Frame | None, problem: str | None) -> Any:
         table.add_row(*cells(row), style="bold red" if row.state in ("open", "stuck") else None)
     note = (f"rates over the last {shown.seconds:.1f} s; hit and p50/p99 since the server started; "
             f"slowest: exemplars of the last {RECENT_S / 60:.0f} min")
-    parts: list[Any] = [Text(title, style="bold"), table, Text(note, style="dim")]
+    parts: list[Any] = [Text(title, style="bold"), table]
+    if shown.tenants:
+        tenants = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in TENANT_COLUMNS:
+            tenants.add_column(column, justify="left" if column == "tenant" else "right", no_wrap=True)
+        for tenant in shown.tenants:
+            tenants.add_row(*tenant_cells(tenant))
+        parts.append(tenants)
+    parts.append(Text(note, style="dim"))
     if problem:
         parts.append(Text(problem, style="red"))
     return Group(*parts)

@@ -44,9 +44,11 @@ class Server:
     def log_tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
 
-    def complete(self, prompt: str, max_tokens: int = 8, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    def complete(self, prompt: str, max_tokens: int = 8, headers: dict[str, str] | None = None,
+                 **fields: Any) -> dict[str, Any]:
+        """A greedy completion; ``fields``: more of the request body (``model``, ``kv_transfer_params``)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True}
+                "ignore_eos": True, **fields}
         request = urllib.request.Request(
             f"{self.url}/v1/completions", data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json", **(headers or {})},

@@ -205,7 +205,8 @@ def test_pipeline_layout_has_one_row_per_child_scoped_to_it() -> None:
     rows = [panel for panel in dashboard["panels"] if panel["type"] == "row"]
     assert [row["title"] for row in rows] == [
         "Pipeline native", "Live health", "hot (OffloadingConnector)", "cold (NixlConnector)", "Tier economics",
-        "Routing"]
+        "Routing",
+        "Tenants"]
     for row in rows[2:4]:
         titles = [panel["title"] for panel in _row_panels(dashboard, row)]
         assert {"Copy time p50 / p99", "Transfer lifetime p50 / p99", "Engine wait"} <= set(titles)

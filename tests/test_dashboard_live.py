@@ -49,8 +49,9 @@ NATIVE_PREFIXES = ("vllm:kv_offload_", "vllm:nixl_")  # no OffloadingConnector o
 # Only the GPU cache's capacity is known: ExampleConnector's store has no size.
 GPU_ONLY = {"tier_capacity_bytes"}
 # The served engine runs with prefix caching off: the GPU cache serves no prefix hits and its capacity reads 0
-# blocks, which the curve has no point for, and no tier has a size. The marks on the curve are then none.
-NO_MARKS = {"capacity_marks"}
+# blocks, which the curve has no point for, and no tier has a size. The marks on the curve are then none, and no
+# tenant's curve has a point at the GPU cache's size.
+NO_MARKS = {"capacity_marks", "tenant_hit_ratio_at_gpu"}
 # Economics reports reach /metrics every few seconds (kvcompose.instrumentation.economics.REPORT_EVERY_S).
 REPORTED_LATER = ("kvcompose_cache_size_hit_ratio", "kvcompose_prefill_seconds_per_token")
 ALL = ".*"  # what Grafana sends for a variable set to "All"
@@ -236,6 +237,9 @@ def _check_values(name: str, result: list[dict[str, Any]]) -> None:
                 assert math.isfinite(lanes[lane]) and lanes[lane] > 0, (name, lane, lanes)
     elif name == "prefill_saved" and "hot" in by_child:
         assert by_child["hot"] > 0, values
+    elif name == "tenant_prompt_tokens":  # the workload names no tenant
+        assert {s["metric"]["tenant"]: float(s["value"][1]) > 0 for s in result} == {
+            "none": True, "other": False, "invalid": False}, values
     elif name == "prefill_cost":
         assert all(0 < value < 1 for value in values.values()), values
     elif name == "tier_capacity_bytes":  # prefix caching off: the GPU cache holds no prefix for the curve

@@ -214,9 +214,28 @@ for decoy in DECOYS:
         (f"kvcompose_tokens_forgone_total{{{decoy}}}", counter(1)),
         (f'kvcompose_calls_in_progress_seconds{{{decoy}, op="lookup"}}', gauge(99)),
     ]
+# Tenants: "a" and "other" (the rest). Tenant "a" reads 0.5 at the GPU cache's 256 blocks, "other" 0.125; both
+# have points at sizes that are no GPU cache's (512), and the decoys' GPU caches (4096) would pick them.
+SERIES += [
+    (f'kvcompose_tenant_prompt_tokens_total{{{M}, tenant="a"}}', counter(100)),
+    (f'kvcompose_tenant_prompt_tokens_total{{{M}, tenant="other"}}', counter(20)),
+    (f'kvcompose_tenant_loaded_tokens_total{{{HOT}, tenant="a"}}', counter(6)),
+    (f'kvcompose_tenant_loaded_tokens_total{{{COLD}, tenant="other"}}', counter(2)),
+    (f'kvcompose_tenant_prefill_seconds_saved_total{{{HOT}, tenant="a"}}', counter(0.5)),
+    (f'kvcompose_tenant_prefill_seconds_saved_total{{{COLD}, tenant="other"}}', counter(0.25)),
+    *((f'kvcompose_tenant_cache_size_hit_ratio{{{M}, tenant="{tenant}", size_blocks="{size}"}}', gauge(ratio))
+      for tenant, size, ratio in (("a", 256, 0.5), ("a", 512, 0.75), ("other", 256, 0.125), ("other", 4096, 1))),
+]
+for decoy in DECOYS:
+    SERIES += [
+        (f'kvcompose_tenant_loaded_tokens_total{{{decoy}, tenant="a"}}', counter(1)),
+        (f'kvcompose_tenant_prefill_seconds_saved_total{{{decoy}, tenant="a"}}', counter(1)),
+    ]
 # The engine's own series (no child) of the other engine and model: values that would change any answer.
 for decoy in (OTHER_ENGINE, OTHER_MODEL):
     SERIES += [
+        (f'kvcompose_tenant_prompt_tokens_total{{{decoy}, tenant="a"}}', counter(1000)),
+        (f'kvcompose_tenant_cache_size_hit_ratio{{{decoy}, tenant="a", size_blocks="4096"}}', gauge(1)),
         *((f'kvcompose_cache_size_hit_ratio{{{decoy}, size_blocks="{size}"}}', gauge(1)) for size in (256, 4096)),
         (f'kvcompose_tier_capacity_blocks{{{decoy}, connector="gpu"}}', gauge(4096)),
         (f"kvcompose_kv_block_bytes{{{decoy}}}", gauge(1)),
@@ -287,6 +306,11 @@ EXPECTED: dict[str, list[tuple[dict[str, str], float]]] = {
     "prefill_cost": [({"model_name": "m"}, 2**-11)],
     "write_waste": hot_cold(0.25, 0.5),
     "tokens_forgone": hot_cold(0, 4),
+    "tenant_prompt_tokens": [({"tenant": "a"}, 100), ({"tenant": "other"}, 20)],
+    "tenant_loaded_tokens": [({"tenant": "a", "connector": "hot"}, 6), ({"tenant": "other", "connector": "cold"}, 2)],
+    "tenant_prefill_saved": [({"tenant": "a", "connector": "hot"}, 0.5),
+                             ({"tenant": "other", "connector": "cold"}, 0.25)],
+    "tenant_hit_ratio_at_gpu": [({"tenant": "a"}, 0.5), ({"tenant": "other"}, 0.125)],
     "transfer_bytes": by_direction(1024, 512, 2048),
     "transfers_in_flight": by_direction(3, 0, 1),
     "transfer_failures": [({"connector": "hot", "direction": "load", "outcome": "failed"}, 0.25),
@@ -445,7 +469,9 @@ def _real_exposition(vllm_config_with: Callable) -> list[Any]:
                   "transfers": transfers.take().to_dict(), "breakers": breakers, "native": native,
                   "telemetry": telemetry, "routing": {"predictions": 2, "predicted_tokens": 512, "reused_tokens": 128,
                                                       "overpredicted_tokens": 384, "underpredicted_tokens": 0,
-                                                      "invalid": 1}}, 0)
+                                                      "invalid": 1},
+                  "tenants": {"prompt_tokens": {"acme": 512, "none": 64}, "loaded_tokens": {"acme": {"hot": 128, "cold": 16}},
+                              "labelled": ["acme"], "curves": {"acme": [[256, 0.25], [512, 0.5]]}}}, 0)
     # hot's lookup is stuck (state 3); cold keeps its half-open breaker (2) and a call running long, not stuck yet
     _publish_stuck_calls(prom, engine_ids(config, [0])[0], [["hot", "lookup", 12.0, True],
                                                              ["cold", "start_load_kv", 0.5, False]])

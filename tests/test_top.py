@@ -27,6 +27,7 @@ from kvcompose.top import (
     frame,
     metrics_url,
     parse,
+    tenant_cells,
 )
 
 from .server_support import free_port
@@ -109,6 +110,42 @@ def test_figures_sum_the_engines_and_rates_cover_the_time_between_reads() -> Non
     assert row[-1] == f"50ms {TRACE}"
 
 
+def _tenant_series(registry: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
+    """Two engines' tenant counters: acme (loaded by offload) and none, as the real series are labelled."""
+    prompt = Counter("kvcompose_tenant_prompt_tokens", "", [*VLLM, "tenant"], registry=registry)
+    loaded = Counter("kvcompose_tenant_loaded_tokens", "", [*VLLM, "tenant", "connector"], registry=registry)
+    saved = Counter("kvcompose_tenant_prefill_seconds_saved", "", [*VLLM, "tenant", "connector"], registry=registry)
+    for engine in ("0", "1"):
+        for tenant in ("acme", "none"):
+            prompt.labels("m", engine, tenant).inc(1000)
+            for tier in ("offload", "disk"):
+                loaded.labels("m", engine, tenant, tier)
+                saved.labels("m", engine, tenant, tier)
+    loaded.labels("m", "0", "acme", "offload").inc(500)
+    return prompt, loaded, saved
+
+
+def test_tenant_rows_sum_engines_and_tiers_busiest_first() -> None:
+    server = kvcompose_series()
+    prompt, loaded, saved = _tenant_series(server.registry)
+    before = parse(openmetrics_text(server.registry).decode(), OPENMETRICS, at=10.0)
+    prompt.labels("m", "0", "none").inc(600)
+    prompt.labels("m", "1", "acme").inc(200)
+    prompt.labels("m", "1", "acme").inc(200)
+    loaded.labels("m", "1", "acme", "disk").inc(100)
+    loaded.labels("m", "0", "acme", "offload").inc(100)
+    saved.labels("m", "1", "acme", "disk").inc(0.25)
+    now = parse(openmetrics_text(server.registry).decode(), OPENMETRICS, at=12.0)
+
+    acme, none = frame(before, now).tenants[1], frame(before, now).tenants[0]
+    assert (none.name, none.prompt_per_second, none.loaded_per_second, none.loaded_share) == ("none", 300, 0, 0)
+    assert (acme.name, acme.prompt_per_second, acme.loaded_per_second, acme.saved_per_second) == (
+        "acme", 200, 100, 0.125)
+    assert acme.loaded_share == 700 / 2400
+    assert tenant_cells(acme) == ["acme", "200", "100", "0.125", "29%"]
+    assert frame(before, parse(classic_text(kvcompose_series().registry).decode(), "text/plain", 12.0)).tenants == []
+
+
 def test_exemplars_older_than_five_minutes_are_not_recent() -> None:
     server = kvcompose_series()
     server.lifetime.labels("m", "0", "offload", "load").observe(0.05, exemplar={"trace_id": TRACE})
@@ -157,6 +194,7 @@ def test_the_url_names_the_openmetrics_endpoint(url: str, expected: str) -> None
 def exposition_server() -> Iterator[tuple[str, Server]]:
     """prometheus_client's own HTTP server: it answers in OpenMetrics when asked, as vLLM's /metrics/ does."""
     series = kvcompose_series()
+    _tenant_series(series.registry)
     series.lifetime.labels("m", "0", "offload", "load").observe(0.05, exemplar={"trace_id": TRACE})
     port = free_port()
     server, thread = start_http_server(port, addr="127.0.0.1", registry=series.registry)
@@ -180,6 +218,9 @@ def test_once_prints_one_row_per_tier_with_the_slowest_trace(exposition_server: 
     assert rows["offload"][:3] == ["offload", "stuck", "50%"]
     assert rows["offload"][-1] == TRACE and rows["disk"][-1] == "-"
     assert re.search(r"rates over the last 0\.[2-9] s", result.stdout), result.stdout
+    tenants = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()
+               if line.split() and line.split()[0] in ("acme", "none")}
+    assert tenants == {"acme": ["0", "0", "0", "25%"], "none": ["0", "0", "0", "0%"]}  # 500 of 2000 loaded
 
 
 def test_once_against_no_server_exits_1_with_one_line() -> None:

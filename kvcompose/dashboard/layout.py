@@ -2,11 +2,11 @@
 
 Without a pipeline, one dashboard fits every pipeline: an overview, the
 children's live health, the calls into each child, its transfers and the
-tiers' economics (one series per child), routers' predictions checked, and collapsed rows for the native
-metrics of OffloadingConnector and NIXL children. With a pipeline, the
+tiers' economics (one series per child), routers' predictions checked, the tenants, and collapsed
+rows for the native metrics of OffloadingConnector and NIXL children. With a pipeline, the
 overview and live health are followed by one row per child, holding that
 child's calls, its transfers and, for a known class, its native panels, and
-then the tiers' economics and the routers' predictions.
+then the tiers' economics, the routers' predictions and the tenants.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any
 from kvcompose.config import Pipeline
 from kvcompose.dashboard.model import PanelSpec, panel_json, row_json
 from kvcompose.dashboard.panels import (
-    CHILD_CALLS, LIVE_HEALTH, NATIVE_PANELS, NIXL, OFFLOADING, OVERVIEW, ROUTING, TIER_ECONOMICS, TRANSFERS,
+    CHILD_CALLS, LIVE_HEALTH, NATIVE_PANELS, NIXL, OFFLOADING, OVERVIEW, ROUTING, TENANTS, TIER_ECONOMICS,
+    TRANSFERS,
 )
 from kvcompose.dashboard.queries import Scope
 from kvcompose.dashboard.variables import template_variables
@@ -49,6 +50,7 @@ def sections(pipeline: Pipeline | None) -> list[Section]:
             Section("Transfers", TRANSFERS),
             Section("Tier economics", TIER_ECONOMICS),
             Section("Routing", ROUTING),
+            Section("Tenants", TENANTS),
             Section("OffloadingConnector children", OFFLOADING, collapsed=True),
             Section("NIXL children", NIXL, collapsed=True),
         ]
@@ -60,6 +62,7 @@ def sections(pipeline: Pipeline | None) -> list[Section]:
           for child in pipeline.children),
         Section("Tier economics", TIER_ECONOMICS),
         Section("Routing", ROUTING),
+        Section("Tenants", TENANTS),
     ]
 
 

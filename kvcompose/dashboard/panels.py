@@ -217,6 +217,38 @@ ROUTING: tuple[PanelSpec, ...] = (
     ),
 )
 
+TENANTS: tuple[PanelSpec, ...] = (
+    PanelSpec(
+        "Prompt tokens by tenant",
+        "Prompt tokens per second of the requests each engine admitted, by tenant: the top tenants.top_k by "
+        "prompt tokens over the last hour have their own label, every other tenant is 'other', requests "
+        "without a tenant 'none', unusable tenant values 'invalid' (kvcompose_tenant_prompt_tokens_total). A "
+        "tenant that leaves the top is folded into 'other', which then steps up once.",
+        TOKENS_PER_SECOND, (q.TENANT_PROMPT_TOKENS,), min=0,
+    ),
+    PanelSpec(
+        "Tokens served by tier and tenant",
+        "Tokens each tier was chosen to load per second, by tenant (kvcompose_tenant_loaded_tokens_total): "
+        "who each tier actually serves. Summed over tenants, a tier's loaded tokens.",
+        TOKENS_PER_SECOND, (q.TENANT_LOADED_TOKENS,), min=0,
+    ),
+    PanelSpec(
+        "Prefill saved by tier and tenant",
+        "Prefill seconds per second each tier's loads spared the engine, by tenant: the tenant's loaded tokens "
+        "times the engine's fitted prefill cost per token (kvcompose_tenant_prefill_seconds_saved_total). "
+        "Whose reuse pays for the tier.",
+        SECONDS_PER_SECOND, (q.TENANT_PREFILL_SAVED,), min=0,
+    ),
+    PanelSpec(
+        "Tenant hit ratio at the GPU cache's size",
+        "Estimated share of each tenant's prompt blocks an LRU prefix cache of the GPU cache's size, shared by "
+        "every tenant, would serve (kvcompose_tenant_cache_size_hit_ratio from the engine's one SHARDS "
+        "sampler). A tenant well below the engine-wide curve at that size is crowded out by the others; "
+        "kvcompose advise --by-tenant reads it at each tier's size too. No value with prefix caching off.",
+        "percentunit", (q.TENANT_HIT_RATIO_AT_GPU,), min=0, max=1,
+    ),
+)
+
 OFFLOADING: tuple[PanelSpec, ...] = (
     PanelSpec(
         "Offload transfer rate",

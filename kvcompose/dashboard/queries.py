@@ -32,6 +32,7 @@ ENGINE_SERIES = frozenset({
     "kvcompose_router_predictions_total", "kvcompose_router_predicted_tokens_total",
     "kvcompose_router_reused_tokens_total", "kvcompose_router_overpredicted_tokens_total",
     "kvcompose_router_underpredicted_tokens_total", "kvcompose_router_predictions_invalid_total",
+    "kvcompose_tenant_prompt_tokens_total", "kvcompose_tenant_cache_size_hit_ratio",
 })
 
 
@@ -279,6 +280,30 @@ ROUTER_REUSED_TOKENS = Query(
     lambda s: _engine_rate("kvcompose_router_reused_tokens_total", s),
 )
 
+
+# Tenants (kvcompose/metrics/tenants.py): the top tenants.top_k by prompt tokens, the rest as "other".
+def _tenant_hit_ratio_at_gpu(s: Scope) -> str:
+    """Each tenant's curve at its engine's GPU cache size: count_values turns the size into the size_blocks label
+    the curve's points carry."""
+    gpu = engine_selector("kvcompose_tier_capacity_blocks", GPU_MATCHER)
+    return (f"avg by (tenant) ({selector('kvcompose_tenant_cache_size_hit_ratio', s)}"
+            f' and on (model_name, engine, size_blocks) count_values without () ("size_blocks", {gpu}))')
+
+
+TENANT_PROMPT_TOKENS = Query(
+    "tenant_prompt_tokens", "{{tenant}}",
+    lambda s: _sum_rate("tenant", "kvcompose_tenant_prompt_tokens_total", s),
+)
+TENANT_LOADED_TOKENS = Query(
+    "tenant_loaded_tokens", "{{tenant}} from {{connector}}",
+    lambda s: _sum_rate("tenant, connector", "kvcompose_tenant_loaded_tokens_total", s),
+)
+TENANT_PREFILL_SAVED = Query(
+    "tenant_prefill_saved", "{{tenant}} by {{connector}}",
+    lambda s: _sum_rate("tenant, connector", "kvcompose_tenant_prefill_seconds_saved_total", s),
+)
+TENANT_HIT_RATIO_AT_GPU = Query("tenant_hit_ratio_at_gpu", "{{tenant}}", _tenant_hit_ratio_at_gpu)
+
 # OffloadingConnector's own series (vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py).
 OFFLOAD_LOAD_BYTES = Query(
     "offload_load_bytes", "{{connector}} load", lambda s: _sum_rate("connector", "vllm:kv_offload_load_bytes_total", s)
@@ -333,6 +358,7 @@ QUERIES: tuple[Query, ...] = (
     TOKENS_FORGONE,
     ROUTER_PREDICTIONS, ROUTER_OVERPREDICTED_SHARE, ROUTER_UNDERPREDICTED_SHARE, ROUTER_INVALID,
     ROUTER_PREDICTED_TOKENS, ROUTER_REUSED_TOKENS,
+    TENANT_PROMPT_TOKENS, TENANT_LOADED_TOKENS, TENANT_PREFILL_SAVED, TENANT_HIT_RATIO_AT_GPU,
     OFFLOAD_LOAD_BYTES, OFFLOAD_STORE_BYTES, OFFLOAD_LOAD_BANDWIDTH, OFFLOAD_STORE_BANDWIDTH,
     OFFLOAD_LOOKUP_P99, OFFLOAD_CPU_USAGE, OFFLOAD_ALLOCATION_FAILURES,
     *NIXL_TRANSFER_TIME, NIXL_BYTES, NIXL_FAILED_TRANSFERS, NIXL_EXPIRED_REQUESTS,

@@ -20,6 +20,11 @@
   configured policy loaded, per child that had them.
 
 Every recommendation carries the figures it rests on.
+
+By tenant (``--by-tenant``): each tenant label's prompt tokens, the tokens
+each tier loaded for it and the prefill seconds that saved, and its hit
+ratio, by its own curve in the cache all tenants share, at the GPU cache's
+size and at the end of each tier's reach (with the share the tier adds).
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcompose.economics.curve import Curve
-from kvcompose.economics.observations import DIRECTIONS, Observations, TierAmounts
+from kvcompose.economics.observations import (
+    DIRECTIONS,
+    Observations,
+    TenantAmounts,
+    TierAmounts,
+)
 from kvcompose.economics.sizes import Reach, blocks_to_gib
 from kvcompose.exposition import quantile
 
@@ -76,6 +86,26 @@ class TierAdvice:
     recommendations: list[Recommendation] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class TenantTierFigures:
+    tokens: float  # the tokens the tier loaded for the tenant
+    tokens_per_s: float | None
+    prefill_saved_s: float | None  # None: the prefill cost is not known, so nothing was priced
+    prefill_saved_s_per_s: float | None
+    hit_ratio_at_reach_end: float | None  # by the tenant's curve, with the caches above the tier
+    curve_share: float | None  # of the tenant's prompt blocks the tier's reach serves, by its curve
+
+
+@dataclass(frozen=True)
+class TenantAdvice:
+    name: str
+    prompt_tokens: float
+    prompt_tokens_per_s: float | None
+    prompt_share: float | None  # of every tenant's prompt tokens
+    hit_ratio_at_gpu: float | None  # by its curve, at the GPU cache's size (None: no curve, or no prefix hits)
+    tiers: dict[str, TenantTierFigures]
+
+
 @dataclass
 class Advice:
     source: str
@@ -88,6 +118,7 @@ class Advice:
     curve: Curve | None
     knee_blocks: int | None  # where the curve reaches KNEE of its ceiling
     tiers: list[TierAdvice]
+    tenants: list[TenantAdvice] = field(default_factory=list)  # by prompt tokens, most first
 
     @property
     def net_negative(self) -> list[str]:
@@ -105,8 +136,31 @@ def advise(observations: Observations) -> Advice:
     advice = Advice(observations.source, observations.span_s, observations.span_meaning, observations.gpu_blocks,
                     observations.block_bytes, observations.prefill_s_per_token,
                     _per_second(observations.prompt_tokens, observations.span_s), curve, knee, [])
-    advice.tiers = [_tier(advice, tier, _reach(tier)) for tier in observations.ordered_tiers()]
+    tiers = observations.ordered_tiers()
+    advice.tiers = [_tier(advice, tier, _reach(tier)) for tier in tiers]
+    total = sum(tenant.prompt_tokens for tenant in observations.tenants.values())
+    advice.tenants = sorted((_tenant(advice, tenant, tiers, total) for tenant in observations.tenants.values()),
+                            key=lambda tenant: (-tenant.prompt_tokens, tenant.name))
     return advice
+
+
+def _tenant(advice: Advice, tenant: TenantAmounts, tiers: list[TierAmounts], total: float) -> TenantAdvice:
+    span = advice.span_s
+    curve = Curve.from_points(tenant.curve_points)
+    figures = {}
+    for tier in tiers:
+        reach = _reach(tier)
+        saved = tenant.prefill_saved_s.get(tier.name, 0.0) if advice.cost_known else None
+        at_end = curve.at(reach.end) if curve is not None and reach is not None else None
+        figures[tier.name] = TenantTierFigures(
+            tokens=tenant.loaded_tokens.get(tier.name, 0.0),
+            tokens_per_s=_per_second(tenant.loaded_tokens.get(tier.name, 0.0), span),
+            prefill_saved_s=saved, prefill_saved_s_per_s=_per_second(saved, span), hit_ratio_at_reach_end=at_end,
+            curve_share=at_end - curve.at(reach.start) if at_end is not None and curve and reach else None)
+    gpu = advice.gpu_blocks
+    return TenantAdvice(tenant.name, tenant.prompt_tokens, _per_second(tenant.prompt_tokens, span),
+                        tenant.prompt_tokens / total if total else None,
+                        curve.at(gpu) if curve is not None and gpu else None, figures)
 
 
 def _reach(tier: TierAmounts) -> Reach | None:

@@ -6,7 +6,9 @@ ratio, tokens served per second, prefill seconds saved per second net of the
 engine wait the tier caused, copy p99 and throughput, the size where the
 hit-ratio curve reaches 90% of its ceiling, the marginal hit ratio per extra
 GiB, write waste and the tokens the load policy left behind, with advice
-that states the figures behind it (kvcompose.economics.advice).
+that states the figures behind it (kvcompose.economics.advice). With
+``--by-tenant``, per tenant label too: prompt tokens, tokens served and
+seconds saved by each tier, and the tenant's hit ratio at each tier's size.
 
 Exit status: 0; 1 when a tier is net negative (it saved less prefill time
 than the engine waited on it), so the command can gate a rollout, and for
@@ -55,6 +57,9 @@ def add_command(commands: Commands) -> None:
                         help="with --prometheus, the end of the window (default now); with --metrics, when the "
                         "file was saved (default its modification time): Unix seconds or ISO 8601")
     advise.add_argument("--json", action="store_true", help="print the figures and advice as JSON")
+    advise.add_argument("--by-tenant", action="store_true",
+                        help="also per tenant (pipelines with tenants.top_k): prompt tokens, tokens served and "
+                        "seconds saved by each tier, and the tenant's hit ratio at each tier's size")
     advise.set_defaults(run=_advise)
 
 
@@ -64,7 +69,10 @@ def _advise(args: argparse.Namespace) -> None:
     except InputError as error:
         refuse(str(error))
     advice = advise(observations)
-    sys.stdout.write(json.dumps(as_json(advice), indent=2) + "\n" if args.json else as_text(advice))
+    if args.json:
+        sys.stdout.write(json.dumps(as_json(advice, args.by_tenant), indent=2) + "\n")
+    else:
+        sys.stdout.write(as_text(advice, args.by_tenant))
     if advice.net_negative:
         raise SystemExit(EXIT_NET_NEGATIVE)
 
@@ -113,8 +121,9 @@ def _parse_time(text: str) -> float:
 
 # -- output -----------------------------------------------------------------------------------------------------
 
-def as_json(advice: Advice) -> dict[str, Any]:
+def as_json(advice: Advice, by_tenant: bool = False) -> dict[str, Any]:
     curve = advice.curve
+    tenants = {"tenants": [asdict(tenant) for tenant in advice.tenants]} if by_tenant else {}
     return _finite({
         "source": advice.source, "span_s": advice.span_s, "span": advice.span_meaning,
         "gpu_blocks": advice.gpu_blocks, "block_bytes": advice.block_bytes,
@@ -124,6 +133,7 @@ def as_json(advice: Advice) -> dict[str, Any]:
                                              "ceiling": curve.ceiling, "knee_blocks": advice.knee_blocks},
         "tiers": [asdict(tier) for tier in advice.tiers],
         "net_negative": advice.net_negative,
+        **tenants,
     })
 
 
@@ -138,7 +148,7 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def as_text(advice: Advice) -> str:
+def as_text(advice: Advice, by_tenant: bool = False) -> str:
     lines = [f"kvcompose advise: {advice.source}, {advice.span_meaning}", _caches_line(advice)]
     curve = advice.curve
     if curve is None:
@@ -150,6 +160,8 @@ def as_text(advice: Advice) -> str:
                      f"90% of it at {advice.knee_blocks:,.0f} blocks{gib_text(advice, advice.knee_blocks)}")
     for tier in advice.tiers:
         lines += ["", *_tier_lines(advice, tier)]
+    if by_tenant:
+        lines += ["", *_tenant_lines(advice)]
     if advice.net_negative:
         lines += ["", f"net negative: {', '.join(advice.net_negative)}"]
     elif not advice.cost_known:
@@ -196,6 +208,24 @@ def _tier_lines(advice: Advice, tier: TierAdvice) -> list[str]:
               f"  write waste     {_number(tier.write_waste, '.3f')}",
               f"  tokens forgone  {_number(tier.tokens_forgone_per_s)} /s (by the load policy)"]
     lines += [f"  - {recommendation.text}" for recommendation in tier.recommendations]
+    return lines
+
+
+def _tenant_lines(advice: Advice) -> list[str]:
+    if not advice.tenants:
+        return ["tenants: none in the input (tenants.top_k 0, or no request yet)"]
+    lines = ["tenants (by prompt tokens; 'other': every tenant outside the top K)"]
+    for tenant in advice.tenants:
+        share = f" ({tenant.prompt_share:.0%})" if tenant.prompt_share is not None else ""
+        lines.append(f"{tenant.name}: {_number(tenant.prompt_tokens)} prompt tokens{share}, "
+                     f"{_number(tenant.prompt_tokens_per_s)} /s; hit ratio at the GPU cache's size "
+                     f"{_number(tenant.hit_ratio_at_gpu, '.3f')}")
+        for name, tier in tenant.tiers.items():
+            saved = (f"saved {_number(tier.prefill_saved_s, '.3g')} s ({_number(tier.prefill_saved_s_per_s, '.3g')}"
+                     " s/s)" if tier.prefill_saved_s is not None else "saved: not priced (no prefill cost)")
+            lines.append(f"  {name:<14} served {_number(tier.tokens)} tokens ({_number(tier.tokens_per_s)} /s), "
+                         f"{saved}; hit ratio at its reach's end {_number(tier.hit_ratio_at_reach_end, '.3f')}, "
+                         f"it adds {_number(tier.curve_share, '.3f')}")
     return lines
 
 

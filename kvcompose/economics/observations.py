@@ -50,6 +50,17 @@ class TierAmounts:
 
 
 @dataclass
+class TenantAmounts:
+    """One tenant label's amounts (kvcompose_tenant_* series) and its hit-ratio curve."""
+
+    name: str
+    prompt_tokens: float = 0.0
+    loaded_tokens: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # tier -> tokens
+    prefill_saved_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # tier -> seconds
+    curve_points: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
 class Observations:
     source: str
     span_s: float | None  # what the amounts cover; None when unknown (then no per-second figures)
@@ -60,6 +71,7 @@ class Observations:
     block_bytes: float | None = None
     prefill_s_per_token: float | None = None
     prompt_tokens: float | None = None
+    tenants: dict[str, TenantAmounts] = field(default_factory=dict)
 
     def tier(self, name: str) -> TierAmounts:
         if name not in self.tiers:
@@ -87,13 +99,16 @@ class ObservationsBuilder:
         self._curve: dict[int, list[float]] = defaultdict(list)
         self._block_bytes: list[float] = []
         self._prefill_cost: list[float] = []
+        self._tenant_curves: dict[tuple[str, int], list[float]] = defaultdict(list)
 
     def add(self, name: str, labels: dict[str, str], value: float) -> None:
         if math.isnan(value):  # a gauge with nothing to show yet (a curve before traffic, waste before writes)
             return
         observations = self._observations
         connector = labels.get("connector")
-        if name == "kvcompose_cache_size_hit_ratio":
+        if (tenant := labels.get("tenant")) is not None:
+            self._add_to_tenant(tenant, name, connector, labels, value)
+        elif name == "kvcompose_cache_size_hit_ratio":
             self._curve[int(float(labels["size_blocks"]))].append(value)
         elif name == "kvcompose_kv_block_bytes":
             self._block_bytes.append(value)
@@ -127,6 +142,21 @@ class ObservationsBuilder:
         elif labels.get("direction") in DIRECTIONS:
             self._add_to_direction(tier.directions[labels["direction"]], name, labels, value)
 
+    def _add_to_tenant(self, name: str, series: str, connector: str | None, labels: dict[str, str],
+                       value: float) -> None:
+        tenants = self._observations.tenants
+        if name not in tenants:
+            tenants[name] = TenantAmounts(name)
+        tenant = tenants[name]
+        if series == "kvcompose_tenant_prompt_tokens_total":
+            tenant.prompt_tokens += value
+        elif series == "kvcompose_tenant_loaded_tokens_total" and connector is not None:
+            tenant.loaded_tokens[connector] += value
+        elif series == "kvcompose_tenant_prefill_seconds_saved_total" and connector is not None:
+            tenant.prefill_saved_s[connector] += value
+        elif series == "kvcompose_tenant_cache_size_hit_ratio":
+            self._tenant_curves[(name, int(float(labels["size_blocks"])))].append(value)
+
     @staticmethod
     def _add_to_direction(amounts: DirectionAmounts, name: str, labels: dict[str, str], value: float) -> None:
         if name == "kvcompose_engine_wait_seconds_total":
@@ -153,6 +183,8 @@ class ObservationsBuilder:
         for name, values in self._waste.items():
             observations.tier(name).write_waste = mean(values)
         observations.curve_points = {size: sum(values) / len(values) for size, values in self._curve.items()}
+        for (tenant, size), values in self._tenant_curves.items():
+            observations.tenants[tenant].curve_points[size] = sum(values) / len(values)
         observations.block_bytes = mean(self._block_bytes)
         observations.prefill_s_per_token = mean(self._prefill_cost)
         return observations

@@ -36,6 +36,9 @@ _COUNTERS = {
     "kvcompose_transfer_copy_seconds_count": "connector, direction",
     "kvcompose_transfer_copy_seconds_bucket": "connector, direction, le",
     "vllm:prompt_tokens_total": "",
+    "kvcompose_tenant_prompt_tokens_total": "tenant",
+    "kvcompose_tenant_loaded_tokens_total": "tenant, connector",
+    "kvcompose_tenant_prefill_seconds_saved_total": "tenant, connector",
 }
 _GAUGES = {
     "kvcompose_cache_size_hit_ratio": ("avg", "avg_over_time", "size_blocks"),
@@ -45,6 +48,7 @@ _GAUGES = {
     "kvcompose_tier_capacity_blocks": ("avg", "last_over_time", "connector"),
     "kvcompose_tier_reach_blocks": ("avg", "last_over_time", "connector, edge"),
     "kvcompose_pipeline_info": ("max", "last_over_time", "connector, position, connector_class"),
+    "kvcompose_tenant_cache_size_hit_ratio": ("avg", "avg_over_time", "tenant, size_blocks"),
 }
 
 

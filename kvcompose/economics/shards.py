@@ -55,6 +55,12 @@ safe to call from two threads at once. The readers copy what they read, so a
 stats thread may call them while the scheduler records (under the GIL each
 sees a histogram at most one request stale).
 
+Tenants. A reference may be attributed to a tenant (``record(..., tenant=)``): the one sampler then
+also keeps each tenant's histogram of the reuse distances of its references in the shared stack, so a
+tenant's curve (``hit_ratio(sizes, tenant=)``) is the share of its references an LRU cache of each size,
+shared by every tenant, would serve. The caller bounds the tenants (``merge_tenant`` folds one into
+another): each costs one histogram.
+
 No key is ever logged or exported: only distances leave this object.
 """
 
@@ -65,7 +71,7 @@ import sys
 import time
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from itertools import accumulate
 
 import numpy as np
@@ -160,62 +166,82 @@ class ReuseDistanceSampler:
         # Sampled references by the reaches they wrote to (a bit set), and by the reaches they read from.
         self._written_by_flags = [0.0] * (self._all_flags + 1)
         self._read_by_flags = [0.0] * (self._all_flags + 1)
+        # Per tenant: [its distance weights by bin, its references (weighed), its sampled weight].
+        self._tenants: dict[Hashable, _TenantFigures] = {}
         self._set_threshold(KEY_SPACE - 1)
 
     # -- recording ---------------------------------------------------------------------------------------------
 
-    def record_hashes(self, block_hashes: Sequence[bytes], now: float | None = None) -> None:
+    def record_hashes(self, block_hashes: Sequence[bytes], now: float | None = None,
+                      tenant: Hashable | None = None) -> None:
         """One request's ``Request.block_hashes``, root first, as the request asks for them.
 
         A hash is sampled when its bytes sort below the threshold's eight big-endian bytes, which is when its
         key (``block_keys``) lies below the threshold: only sampled hashes become integers. Long prompts go
-        through ``block_keys`` instead, whose vectorised comparison is the cheaper there."""
+        through ``block_keys`` instead, whose vectorised comparison is the cheaper there. ``tenant``: whose
+        references they are (None: nobody's)."""
         if len(block_hashes) >= _VECTORISE_FROM_BLOCKS:
-            self.record(block_keys(block_hashes), now)
+            self.record(block_keys(block_hashes), now, tenant)
             return
-        weight = self._count_references(len(block_hashes), now)
+        weight = self._count_references(len(block_hashes), now, tenant)
         below = self._threshold_bytes
         sampled = [block_hash for block_hash in block_hashes if block_hash < below]
         if sampled:
             self._record_sampled([int.from_bytes(block_hash[:8], "big") for block_hash in reversed(sampled)],
-                                 weight / self.rate)
+                                 weight / self.rate, tenant)
 
-    def record(self, keys: np.ndarray, now: float | None = None) -> None:
-        """One request's block keys (``block_keys``), root first."""
-        weight = self._count_references(len(keys), now)
+    def record(self, keys: np.ndarray, now: float | None = None, tenant: Hashable | None = None) -> None:
+        """One request's block keys (``block_keys``), root first; ``tenant``: whose (None: nobody's)."""
+        weight = self._count_references(len(keys), now, tenant)
         sampled = keys[keys < self._numpy_threshold]
         if sampled.size:
-            self._record_sampled(sampled[::-1].tolist(), weight / self.rate)
+            self._record_sampled(sampled[::-1].tolist(), weight / self.rate, tenant)
 
-    def _count_references(self, count: int, now: float | None) -> float:
-        """Count a request's block references; the weight of references made ``now``."""
+    def _count_references(self, count: int, now: float | None, tenant: Hashable | None = None) -> float:
+        """Count a request's block references (``tenant``'s too); the weight of references made ``now``."""
         weight = self._weight(self._clock() if now is None else now)
         self._references += weight * count
         self.stream_references += count
+        if tenant is not None:
+            self._tenant(tenant).references += weight * count
         return weight
 
-    def _record_sampled(self, keys: list[int], weight: float) -> None:
-        """Sampled keys, tail first: each one's reuse distance, and whether it reads or writes each reach."""
+    def _tenant(self, tenant: Hashable) -> _TenantFigures:
+        if (figures := self._tenants.get(tenant)) is None:
+            figures = self._tenants[tenant] = _TenantFigures([0.0] * len(self._distance_weights))
+        return figures
+
+    def _record_sampled(self, keys: list[int], weight: float, tenant: Hashable | None = None) -> None:
+        """Sampled keys, tail first: each one's reuse distance (also in ``tenant``'s histogram), and whether it
+        reads or writes each reach."""
         recency, ticks, flag_bits, all_flags = self._recency, self._ticks, self._flag_bits, self._all_flags
         bin_of_depth, written_at_depth, served_at_depth = self._bin_of_depth, self._written_at, self._served_at
         distances, written, read = self._distance_weights, self._written_by_flags, self._read_by_flags
         deepest, beyond = len(bin_of_depth) - 1, len(distances) - 1
+        own = None
+        if tenant is not None:
+            figures = self._tenant(tenant)
+            figures.sampled += weight * len(keys)
+            own = figures.distances
         tick = self._tick
         for key in keys:
             tick += 1
             previous = recency.pop(key, None)
             if previous is None:  # a first reference (or one dropped past the curve): a miss at every size
-                distances[beyond] += weight
+                distance_bin = beyond
                 flags = all_flags
             else:
                 rank = bisect_left(ticks, previous >> flag_bits)
                 depth = len(ticks) - 1 - rank  # tracked keys used since: the sampled reuse distance
                 del ticks[rank]
                 depth = min(depth, deepest)
-                distances[bin_of_depth[depth]] += weight
+                distance_bin = bin_of_depth[depth]
                 flags = written_at_depth[depth]
                 # Reaches the block was written to at its last reference and that serve this distance.
                 read[previous & served_at_depth[depth]] += weight
+            distances[distance_bin] += weight
+            if own is not None:
+                own[distance_bin] += weight
             written[flags] += weight
             ticks.append(tick)
             recency[key] = (tick << flag_bits) | flags
@@ -238,6 +264,10 @@ class ReuseDistanceSampler:
         self._read_by_flags = [w * factor for w in self._read_by_flags]
         self._sampled_weight *= factor
         self._references *= factor
+        for figures in self._tenants.values():
+            figures.distances[:] = [w * factor for w in figures.distances]
+            figures.references *= factor
+            figures.sampled *= factor
 
     # -- bounding the tracked keys -----------------------------------------------------------------------------
 
@@ -299,18 +329,37 @@ class ReuseDistanceSampler:
     def tracked_keys(self) -> int:
         return len(self._recency)
 
-    def hit_ratio(self, sizes_in_blocks: Sequence[int]) -> list[float]:
-        """The estimated hit ratio of an LRU cache of each size on the stream (first references miss).
+    @property
+    def tenants(self) -> list[Hashable]:
+        """The tenants references were attributed to (and not merged away)."""
+        return list(self._tenants)
+
+    def merge_tenant(self, tenant: Hashable, into: Hashable) -> None:
+        """Count ``tenant``'s references as ``into``'s from now on, and those before too."""
+        if tenant == into or (figures := self._tenants.pop(tenant, None)) is None:
+            return
+        target = self._tenant(into)
+        target.distances[:] = [a + b for a, b in zip(target.distances, figures.distances, strict=True)]
+        target.references += figures.references
+        target.sampled += figures.sampled
+
+    def hit_ratio(self, sizes_in_blocks: Sequence[int], tenant: Hashable | None = None) -> list[float]:
+        """The estimated hit ratio of an LRU cache of each size on the stream (first references miss); with
+        ``tenant``, on that tenant's references, in the cache all tenants share.
 
         NaN before any reference. A size past ``max_size_blocks`` is an error: the sampler forgets keys
         deeper than that."""
-        total = self._references
+        if tenant is None:
+            total, weights, sampled = self._references, list(self._distance_weights), self._sampled_weight
+        elif (figures := self._tenants.get(tenant)) is not None:
+            total, weights, sampled = figures.references, list(figures.distances), figures.sampled
+        else:
+            total, weights, sampled = 0.0, [], 0.0
         if total <= 0:
             return [math.nan] * len(sizes_in_blocks)
-        weights = list(self._distance_weights)
         below = [0.0, *accumulate(weights)]  # below[b]: weight of distances under edge b
         # SHARDS' adjustment: the shortfall (or excess) of sampled references counts at distance zero.
-        adjustment = total - self._sampled_weight
+        adjustment = total - sampled
         ratios = []
         for size in sizes_in_blocks:
             if size > self.max_size_blocks:
@@ -342,6 +391,18 @@ class ReuseDistanceSampler:
     def memory_bytes(self) -> int:
         """Bytes held by the sampler's containers and the integers in them (CPython's own sizes)."""
         held = (self._recency, self._ticks, self._bin_of_depth, self._written_at, self._served_at,
-                self._distance_weights, self._edges)
+                self._distance_weights, self._edges, self._tenants,
+                *(figures.distances for figures in self._tenants.values()))
         ints = sum(sys.getsizeof(key) + sys.getsizeof(value) for key, value in self._recency.items())
         return sum(sys.getsizeof(container) for container in held) + ints
+
+
+class _TenantFigures:
+    """One tenant's share of the stream: its distance weights by bin, its references and its sampled weight."""
+
+    __slots__ = ("distances", "references", "sampled")
+
+    def __init__(self, distances: list[float]) -> None:
+        self.distances = distances
+        self.references = 0.0
+        self.sampled = 0.0

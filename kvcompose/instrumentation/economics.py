@@ -95,10 +95,24 @@ class StreamSampler:
         self._reported_at = -math.inf
         self._reported_references = 0
 
-    def admitted(self, request: Request) -> None:
-        """A request's first admission: its blocks are referenced."""
+    def admitted(self, request: Request, tenant: str | None = None) -> None:
+        """A request's first admission: its blocks are referenced (by ``tenant``, where tenants are counted)."""
         if block_hashes := getattr(request, "block_hashes", None):
-            self._sampler.record_hashes(block_hashes)
+            self._sampler.record_hashes(block_hashes, tenant=tenant)
+
+    def tenant_curves(self) -> dict[str, list[list[float]]]:
+        """Each tenant's estimated hit ratio at each size of the grid, in the cache all tenants share (tenants
+        with references in the window)."""
+        curves = {}
+        for tenant in self._sampler.tenants:
+            ratios = self._sampler.hit_ratio(self._grid, tenant=tenant)
+            if not math.isnan(ratios[0]):
+                curves[str(tenant)] = [[size, ratio] for size, ratio in zip(self._grid, ratios, strict=True)]
+        return curves
+
+    def merge_tenant(self, tenant: str, into: str) -> None:
+        """Count ``tenant``'s references as ``into``'s (it lost its label)."""
+        self._sampler.merge_tenant(tenant, into)
 
     def report(self, now: bool = False) -> EconomicsReport | None:
         """What to report: None when no block was referenced since the last report, or (unless ``now``, as the

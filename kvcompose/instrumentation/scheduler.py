@@ -24,8 +24,9 @@ from kvcompose.adapters.offloading import job_requests
 from kvcompose.instrumentation.base import Instrumentation
 from kvcompose.instrumentation.economics import StreamSampler
 from kvcompose.instrumentation.receipts import Receipts
+from kvcompose.instrumentation.tenants import TenantBooks
 from kvcompose.operations import LookupRound
-from kvcompose.wire.stats import ECONOMICS_KEY
+from kvcompose.wire.stats import ECONOMICS_KEY, TENANTS_KEY
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -47,6 +48,9 @@ class SchedulerInstrumentation(Instrumentation):
         self.receipts = receipts  # the receipts' books and the router's predictions (None: neither is kept)
         self._loaders = loaders  # the loaders' indices, in the order of a lookup round's answers
         self._stream = stream if self.recorder.enabled else None  # the prefix-block stream, for tier economics
+        # The books by tenant (None: metrics off, or tenants.top_k 0).
+        self.tenants = (TenantBooks(pipeline.tenants, self._stream)
+                        if self.recorder.enabled and pipeline.tenants.top_k else None)
         # Children whose transfers are jobs in their metadata (their requests join the step's trace).
         self._job_children = [spec.index for spec in specs
                               if self.tracer is not None and completion_mode(spec.connector_cls) == "jobs"]
@@ -65,11 +69,14 @@ class SchedulerInstrumentation(Instrumentation):
         if req_id in self._admitted:
             return
         self._admitted.add(req_id)
+        tenant = self.tenants.admitted(request) if self.tenants is not None else None
         if self._stream is not None:
-            self._stream.admitted(request)
+            self._stream.admitted(request, tenant)
         if lookup_round is None:
             return
         self.recorder.request_admitted(lookup_round, self._loaders, loading, num_external_tokens)
+        if tenant is not None and loading is not None:  # as the recorder counts loaded tokens
+            self.tenants.loaded(tenant, self.specs[loading].name, num_external_tokens)
         if self.tracer is not None and loading is not None:
             self.tracer.request_loaded(req_id, self.specs[loading].name, num_external_tokens)
 
@@ -121,6 +128,8 @@ class SchedulerInstrumentation(Instrumentation):
         reports = self.receipts.report() if self.receipts is not None and self.recorder.enabled else {}
         if self._stream is not None and (report := self._stream.report(now=idle)) is not None:
             reports[ECONOMICS_KEY] = report
+        if self.tenants is not None and (tenants := self.tenants.report(now=idle)) is not None:
+            reports[TENANTS_KEY] = tenants
         return reports
 
     def idle(self) -> bool:

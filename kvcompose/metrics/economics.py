@@ -90,6 +90,10 @@ class EconomicsSeries:
                     self.loaded(engine, child, tokens)
                     del self._unpriced[(engine, child)]
 
+    def cost(self, engine_idx: int) -> float | None:
+        """The engine's latest prefill cost per token (None: not known yet)."""
+        return self._cost.get(engine_idx)
+
     def loaded(self, engine_idx: int, child: str, tokens: int) -> None:
         """``child`` was chosen to load ``tokens`` tokens."""
         if (cost := self._cost.get(engine_idx)) is None:

@@ -26,15 +26,24 @@ from kvcompose.metrics.economics import EconomicsSeries
 from kvcompose.metrics.histograms import CellAdder, cell_adder
 from kvcompose.metrics.routing import RoutingSeries
 from kvcompose.metrics.running_calls import RunningCallSeries
+from kvcompose.metrics.tenants import TenantSeries
 from kvcompose.metrics.transfer_series import TransferSeries
 from kvcompose.wire.calls import COUNTERS, CallTable
 from kvcompose.wire.economics import EconomicsReport
 from kvcompose.wire.native import NativeStats
 from kvcompose.wire.routing import RoutingReport
 from kvcompose.wire.stats import (
-    BREAKERS_KEY, CALLS_KEY, ECONOMICS_KEY, NATIVE_KEY, ROUTING_KEY, TELEMETRY_KEY, TRANSFERS_KEY,
+    BREAKERS_KEY,
+    CALLS_KEY,
+    ECONOMICS_KEY,
+    NATIVE_KEY,
+    ROUTING_KEY,
+    TELEMETRY_KEY,
+    TENANTS_KEY,
+    TRANSFERS_KEY,
 )
 from kvcompose.wire.telemetry import DROP_REASONS, LIVE_SPANS_QUEUED, TelemetryCounters
+from kvcompose.wire.tenants import TenantReport
 from kvcompose.wire.transfers import TransferTable
 
 if TYPE_CHECKING:
@@ -204,6 +213,8 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
         self._economics = EconomicsSeries(metric_types, labelnames, per_engine_labelvalues,
                                           [spec.name for spec in specs])
         self._routing = RoutingSeries(metric_types, labelnames, per_engine_labelvalues)
+        self._tenants = (TenantSeries(metric_types, labelnames, per_engine_labelvalues, [spec.name for spec in specs])
+                         if pipeline.tenants.top_k else None)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = self.per_engine_labelvalues[engine_idx]
@@ -217,6 +228,9 @@ class KVComposePromMetrics(KVConnectorPromMetrics):
             self._observe_telemetry(TelemetryCounters.from_payload(telemetry), engine_idx)
         if (routing := transfer_stats_data.get(ROUTING_KEY)) is not None:
             self._routing.observe(RoutingReport.from_payload(routing), engine_idx)
+        if self._tenants is not None and (tenants := transfer_stats_data.get(TENANTS_KEY)) is not None:
+            # After the calls, at the cost they were priced at: the tenants' sums equal the pipeline's.
+            self._tenants.observe(TenantReport.from_payload(tenants), engine_idx, self._economics.cost(engine_idx))
         for child, breaker in transfer_stats_data.get(BREAKERS_KEY, {}).items():
             self._running_calls.breaker_reported(engine_idx, child, breaker["state"])
             if breaker["opens"]:

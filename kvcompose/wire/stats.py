@@ -11,10 +11,12 @@ breaker's report. It crosses processes as plain data (``to_dict``)::
      "telemetry": {"dropped": {reason: count}, "spans_queued": count | None, "exporter_restarts": count} | None,
      "economics": <EconomicsReport.to_dict()> | None,
      "routing": <RoutingReport.to_dict()> | None,
+     "tenants": <TenantReport.to_dict()> | None,
      "native": {child: {"class": "module:Class", "stats": <the child's own stats dict>}},
      "breakers": {child: {"state": 0 closed | 1 open | 2 half-open, "opens": count}}}
 
-Its size is bounded by children x (operations + directions) x buckets, whatever the traffic.
+Its size is bounded by children x (operations + directions) x buckets, and by (top K + 3) tenant labels x
+(children + curve sizes), whatever the traffic.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvcompose.wire.economics import EconomicsReport
 from kvcompose.wire.native import NativeStats
 from kvcompose.wire.routing import RoutingReport
 from kvcompose.wire.telemetry import TelemetryCounters
+from kvcompose.wire.tenants import TenantReport
 from kvcompose.wire.transfers import TransferTable
 
 CALLS_KEY = "calls"
@@ -38,6 +41,7 @@ TRANSFERS_KEY = "transfers"
 TELEMETRY_KEY = "telemetry"
 ECONOMICS_KEY = "economics"
 ROUTING_KEY = "routing"
+TENANTS_KEY = "tenants"
 
 
 class Report(Protocol):
@@ -56,7 +60,7 @@ class Report(Protocol):
 
 # Each report section's key and class (its ``from_payload`` rebuilds it after a process hop).
 SECTIONS: dict[str, Any] = {CALLS_KEY: CallTable, TRANSFERS_KEY: TransferTable, TELEMETRY_KEY: TelemetryCounters,
-                            ECONOMICS_KEY: EconomicsReport, ROUTING_KEY: RoutingReport}
+                            ECONOMICS_KEY: EconomicsReport, ROUTING_KEY: RoutingReport, TENANTS_KEY: TenantReport}
 
 
 @dataclass
