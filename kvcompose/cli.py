@@ -20,6 +20,7 @@ from kvcompose.command_line import EXIT_USAGE, CommandParser
 from kvcompose.config import load_pipeline
 from kvcompose.deploy import add_commands as add_deploy_commands
 from kvcompose.economics.advise import add_command as add_advise_command
+from kvcompose.economics.fleet import add_command as add_fleet_command
 from kvcompose.errors import PipelineConfigError
 from kvcompose.render import kv_transfer_config
 from kvcompose.schema import pipeline_json_schema
@@ -58,6 +59,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_serve_command(commands)
     add_top_command(commands)
     add_advise_command(commands)
+    add_fleet_command(commands)
     add_deploy_commands(commands)
     return parser
 

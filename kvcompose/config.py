@@ -106,6 +106,11 @@ class ChildConfig(_Section):
         default_factory=dict,
         description="Other KVTransferConfig fields for this child, e.g. {kv_buffer_device: cpu}.",
     )
+    shared: LabelSafeName | None = Field(
+        None, description="The id of a tier several engines share (an LMCache server, a Mooncake store, a shared "
+        "directory): engines whose pipelines give a child the same id feed one fleet-wide hit-ratio curve "
+        "(`kvcompose fleet`), sampled as the pipeline's fleet section says.",
+    )
 
     @field_validator("transfer")
     @classmethod
@@ -191,6 +196,31 @@ class LoggingSection(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
+class FleetSection(_Section):
+    """How an engine samples its prefix-block stream for the tiers it shares with other engines (children's
+    ``shared``), and where ``kvcompose fleet`` pulls the samples from."""
+
+    sample_rate: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
+        1 / 256, description="The share of block keys sampled, fixed and the same on every engine of the fleet, "
+        "so that the engines' samples merge: a key is sampled on every engine or on none.",
+    )
+    secret_env: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = Field(
+        "KVCOMPOSE_FLEET_SECRET", description="The environment variable holding the fleet's secret, the key of the "
+        "digest that stands for each sampled block: the same on every engine, unknown to whoever reads the samples "
+        "without it.",
+    )
+    host: Annotated[str, StringConstraints(min_length=1)] = Field(
+        "0.0.0.0", description="The address the engine's fleet endpoint listens on.")
+    port: Annotated[int, Field(ge=1, le=65535)] = Field(
+        8790, description="The port of the engine's fleet endpoint (plus the engine's data-parallel rank); "
+        "${VAR} gives each engine on one host its own.",
+    )
+    buffer_samples: Annotated[int, Field(ge=16, le=1 << 24)] = Field(
+        1 << 16, description="Sampled requests kept for the aggregator between its pulls; older ones are dropped "
+        "and counted.",
+    )
+
+
 class Pipeline(_Section):
     """A whole pipeline file."""
 
@@ -203,6 +233,7 @@ class Pipeline(_Section):
     metrics: MetricsSection = MetricsSection()
     logging: LoggingSection = LoggingSection()
     tenants: TenantsSection = TenantsSection()
+    fleet: FleetSection = FleetSection()
     watchdog_s: Annotated[float, Field(gt=0)] | None = Field(
         5.0, description="A call into a child still running after this many seconds is logged (with the child's "
         "stack) and shown as stuck (kvcompose_child_state 3) until it returns; a request's lookup that a child keeps "

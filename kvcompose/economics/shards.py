@@ -197,6 +197,19 @@ class ReuseDistanceSampler:
         if sampled.size:
             self._record_sampled(sampled[::-1].tolist(), weight / self.rate, tenant)
 
+    def record_presampled(self, keys: Sequence[int], references: int, now: float | None = None) -> None:
+        """Keys sampled before they got here, root first, among ``references`` block references: the merged
+        samples of a fleet's engines, each of which kept the keys below one fixed threshold, this sampler's
+        settled rate. Such a stream has no full sample to begin with: the rate starts settled (and the key
+        limit may still lower it, as it does for a local stream)."""
+        if self._threshold > self._settled_threshold:
+            self._lower_threshold(self._settled_threshold)
+        weight = self._count_references(references, now)
+        threshold = self._threshold
+        kept = [key for key in reversed(keys) if key < threshold]
+        if kept:
+            self._record_sampled(kept, weight / self.rate)
+
     def _count_references(self, count: int, now: float | None, tenant: Hashable | None = None) -> float:
         """Count a request's block references (``tenant``'s too); the weight of references made ``now``."""
         weight = self._weight(self._clock() if now is None else now)

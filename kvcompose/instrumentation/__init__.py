@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvcompose.instrumentation.base import engine_id_of
-from kvcompose.instrumentation.economics import StreamSampler
+from kvcompose.instrumentation.economics import StreamSampler, fleet_sampling
 from kvcompose.instrumentation.receipts import ReceiptInstrumentation, Receipts
 from kvcompose.instrumentation.transfers import bytes_per_block
 from kvcompose.instrumentation.scheduler import SchedulerInstrumentation
@@ -56,18 +56,23 @@ def instrument(
     if not observed:
         return None if receipts is None else ReceiptInstrumentation(pipeline, specs, receipts,
                                                                     engine_id_of(vllm_config))
-    return SchedulerInstrumentation(pipeline, specs, loaders, engine_id_of(vllm_config),
-                                    stream_sampler(specs, loaders, vllm_config, kv_cache_config), receipts)
+    fleet_pipeline = pipeline if pipeline.metrics.enabled else None  # the fleet's samples go with the curve
+    stream = stream_sampler(specs, loaders, vllm_config, kv_cache_config, fleet_pipeline)
+    return SchedulerInstrumentation(pipeline, specs, loaders, engine_id_of(vllm_config), stream, receipts)
 
 
 def stream_sampler(
     specs: list[ChildSpec], loaders: tuple[int, ...], vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+    pipeline: Pipeline | None = None,
 ) -> StreamSampler | None:
     """The scheduler's sampler of the prefix-block stream; None where the GPU cache's size is unknown (a composite
-    made outside an engine). With prefix caching off the GPU cache serves no prefix hits: 0 blocks of it count."""
+    made outside an engine). With prefix caching off the GPU cache serves no prefix hits: 0 blocks of it count.
+    With ``pipeline`` (metrics on), the samples for the tiers its children share with other engines too."""
     gpu_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else vllm_config.cache_config.num_gpu_blocks
     if not gpu_blocks:
         return None
     block_bytes = bytes_per_block(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size)
     prefix_cache_blocks = gpu_blocks if vllm_config.cache_config.enable_prefix_caching else 0
-    return StreamSampler(specs, loaders, prefix_cache_blocks, block_bytes)
+    fleet = (fleet_sampling(pipeline.fleet, specs, vllm_config, engine_id_of(vllm_config), block_bytes)
+             if pipeline is not None else None)
+    return StreamSampler(specs, loaders, prefix_cache_blocks, block_bytes, fleet)

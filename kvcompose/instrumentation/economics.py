@@ -15,6 +15,11 @@ reach (kvcompose.economics.sizes) and the bytes of a block. With vLLM's
 prefix caching off the GPU cache serves no prefix hits: its capacity is
 reported as 0 blocks, and the tiers' reaches start at 0.
 
+Where children name a tier the engine shares with others (``shared``), the
+same block hashes also go to a :class:`~kvcompose.economics.fleet_samples.FleetSampler`
+at the fleet's fixed rate, served to ``kvcompose fleet`` by the engine's fleet
+endpoint (:func:`fleet_sampling`).
+
 Worker side (:class:`PrefillCost`): the engine's marginal cost of prefilling
 a token, fitted to the steps that prefill (a step that only decodes says
 nothing of the prefill slope, and where requests come one at a time it would
@@ -35,17 +40,26 @@ sizes vary enough to tell the slope from the fixed cost, there is no estimate.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
 from time import monotonic
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvcompose.economics.fleet_endpoint import FleetEndpoint
+from kvcompose.economics.fleet_samples import FleetSampler
 from kvcompose.economics.shards import ReuseDistanceSampler
 from kvcompose.economics.sizes import bytes_to_blocks, size_grid, tier_reaches
+from kvcompose.logs import get_logger
 from kvcompose.wire.economics import GPU, EconomicsReport
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
     from kvcompose.child_spec import ChildSpec
+    from kvcompose.config import FleetSection
+
+_log = get_logger("economics")
 
 REPORT_EVERY_S = 5.0
 # The prefill cost's fit: a step's weight halves over this many later steps. It needs this many steps'
@@ -74,13 +88,66 @@ def tier_capacity_blocks(spec: ChildSpec, block_bytes: int) -> int | None:
         return None
 
 
+class FleetSampling(NamedTuple):
+    """An engine's samples for its shared tiers, and the endpoint serving them."""
+
+    sampler: FleetSampler
+    endpoint: FleetEndpoint
+
+
+def fleet_sampling(section: FleetSection, specs: list[ChildSpec], vllm_config: VllmConfig, engine_id: str,
+                   block_bytes: int) -> FleetSampling | None:
+    """The engine's fleet sampler and endpoint when a child names a shared tier; None (and a warning saying
+    why) when none does, or when the fleet's secret is not set or the endpoint cannot listen: generation goes
+    on either way."""
+    tiers = {spec.config.shared: spec.name for spec in specs if spec.config.shared is not None}
+    if not tiers:
+        return None
+    secret = os.environ.get(section.secret_env, "")
+    if not secret:
+        _log.warning("fleet_sampling_off", reason=f"${section.secret_env} is not set: without the fleet's secret "
+                     "no digest of a block may leave the engine", tiers=sorted(tiers))
+        return None
+    capacities = {tier: blocks for spec in specs if (tier := spec.config.shared) is not None
+                  and (blocks := tier_capacity_blocks(spec, block_bytes)) is not None}
+    sampler = FleetSampler(tiers, section.sample_rate, secret.encode(), section.buffer_samples, engine_id,
+                           capacities, hash_configuration(vllm_config))
+    port = section.port + vllm_config.parallel_config.data_parallel_rank
+    try:
+        endpoint = FleetEndpoint(sampler, section.host, port)
+    except OSError as error:
+        _log.warning("fleet_sampling_off", reason=f"the fleet endpoint cannot listen on {section.host}:{port}: "
+                     f"{error.strerror or error}", tiers=sorted(tiers))
+        return None
+    _log.info("fleet_endpoint_listening", host=section.host, port=endpoint.port, tiers=sorted(tiers))
+    return FleetSampling(sampler, endpoint)
+
+
+def hash_configuration(vllm_config: VllmConfig) -> Callable[[], bytes | None]:
+    """What makes two engines' block hashes agree, as bytes, once vLLM has set its root parent hash: the hash
+    algorithm, the block size, and ``NONE_HASH`` (derived from PYTHONHASHSEED, or from a fixed seed for a
+    cryptographic algorithm, or from a random one per process for xxHash)."""
+    cache = vllm_config.cache_config
+    algorithm = str(getattr(cache, "prefix_caching_hash_algo", ""))
+
+    def material() -> bytes | None:
+        from vllm.v1.core import kv_cache_utils
+
+        root = getattr(kv_cache_utils, "NONE_HASH", None)
+        return None if root is None else f"{algorithm}\x00{cache.block_size}\x00".encode() + bytes(root)
+
+    return material
+
+
 class StreamSampler:
     """The scheduler's sampler of the prefix-block stream, and what it reports; see the module docstring."""
 
     def __init__(self, specs: list[ChildSpec], loaders: tuple[int, ...], prefix_cache_blocks: int,
-                 block_bytes: int) -> None:
+                 block_bytes: int, fleet: FleetSampling | None = None) -> None:
         """``loaders``: the indices of the children that load, in the order they are asked;
-        ``prefix_cache_blocks``: the GPU cache's blocks, or 0 when it serves no prefix hits (prefix caching off)."""
+        ``prefix_cache_blocks``: the GPU cache's blocks, or 0 when it serves no prefix hits (prefix caching off);
+        ``fleet``: the samples for the tiers shared with other engines, if any."""
+        self.fleet = fleet
         self._capacities = {spec.name: blocks for spec in specs
                             if (blocks := tier_capacity_blocks(spec, block_bytes)) is not None}
         reaches = tier_reaches(prefix_cache_blocks, [self._capacities.get(specs[index].name) for index in loaders])
@@ -99,6 +166,8 @@ class StreamSampler:
         """A request's first admission: its blocks are referenced (by ``tenant``, where tenants are counted)."""
         if block_hashes := getattr(request, "block_hashes", None):
             self._sampler.record_hashes(block_hashes, tenant=tenant)
+            if self.fleet is not None:
+                self.fleet.sampler.record(block_hashes)
 
     def tenant_curves(self) -> dict[str, list[list[float]]]:
         """Each tenant's estimated hit ratio at each size of the grid, in the cache all tenants share (tenants
@@ -113,6 +182,10 @@ class StreamSampler:
     def merge_tenant(self, tenant: str, into: str) -> None:
         """Count ``tenant``'s references as ``into``'s (it lost its label)."""
         self._sampler.merge_tenant(tenant, into)
+
+    def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.endpoint.close()
 
     def report(self, now: bool = False) -> EconomicsReport | None:
         """What to report: None when no block was referenced since the last report, or (unless ``now``, as the

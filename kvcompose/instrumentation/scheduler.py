@@ -115,6 +115,11 @@ class SchedulerInstrumentation(Instrumentation):
         if self.tracer is not None and worker_metadata is not None and worker_metadata.summaries:
             self.tracer.add_summaries(worker_metadata.summaries)
 
+    def close(self) -> None:
+        super().close()
+        if self._stream is not None:
+            self._stream.close()
+
     def receipt(self, request: Request) -> dict[str, Any] | None:
         return self.receipts.receipt(request) if self.receipts is not None else None
 

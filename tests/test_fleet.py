@@ -1,0 +1,354 @@
+"""The fleet's shared tiers: the engine's sampler and endpoint, the aggregator's pulls, merge and /metrics, faults.
+
+Engines here are real :class:`FleetSampler` objects behind real :class:`FleetEndpoint` HTTP servers; the
+aggregator is the real :class:`FleetService` pulling them over HTTP. At rate 1 every key is sampled, so the
+merged curve must equal an exact LRU of the interleaved stream at powers of two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvcompose.cli import main
+from kvcompose.config import load_pipeline
+from kvcompose.economics.fleet import FleetService
+from kvcompose.economics.fleet_endpoint import FleetEndpoint
+from kvcompose.economics.fleet_merge import FleetMerger
+from kvcompose.economics.fleet_samples import FleetSampler
+from kvcompose.errors import PipelineConfigError
+from kvcompose.exposition import read
+from kvcompose.wire.fleet import SAMPLES_PATH, FleetPayloadError, parse_batch
+from tests.test_economics_accuracy import exact_lru_hit_ratios
+
+SECRET = b"the fleet's secret"
+TIER = "shared-disk"
+HASH_CONFIG = b"sha256 / 16 / root"
+
+
+def sampler(engine: str, rate: float = 1.0, buffer: int = 1 << 12, secret: bytes = SECRET,
+            hash_config: bytes = HASH_CONFIG, clock: Callable[[], float] = time.time) -> FleetSampler:
+    return FleetSampler({TIER: "disk"}, rate, secret, buffer, engine, {}, lambda: hash_config, clock)
+
+
+def stream(requests: int, seed: int) -> list[list[bytes]]:
+    """Requests' block hashes (32 bytes, as vLLM's SHA-256 ones), root first: shared prefixes, own suffixes."""
+    rng = np.random.default_rng(seed)
+    prefixes = [[rng.bytes(32) for _ in range(int(rng.integers(2, 12)))] for _ in range(40)]
+    return [prefixes[int(rng.zipf(1.3)) % len(prefixes)] + [rng.bytes(32) for _ in range(int(rng.integers(1, 4)))]
+            for _ in range(requests)]
+
+
+@pytest.fixture
+def endpoints() -> Iterator[list[FleetEndpoint]]:
+    served = [FleetEndpoint(sampler(f"engine-{index}"), "127.0.0.1", 0) for index in range(3)]
+    yield served
+    for endpoint in served:
+        endpoint.close()
+
+
+def url(endpoint: FleetEndpoint) -> str:
+    return f"http://127.0.0.1:{endpoint.port}"
+
+
+def exposition(service: FleetService) -> str:
+    registry = CollectorRegistry()
+    registry.register(service)  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
+
+
+# -- the pipeline keys -------------------------------------------------------------------------------------------
+
+def test_a_child_names_a_shared_tier_and_the_fleet_section_sets_one_rate() -> None:
+    pipeline = load_pipeline({"version": 1, "name": "p", "fleet": {"sample_rate": 0.0078125, "port": 9000},
+                              "children": [{"name": "disk", "connector": "ExampleConnector", "shared": TIER}]})
+    assert pipeline.children[0].shared == TIER
+    assert pipeline.fleet.sample_rate == 1 / 128 and pipeline.fleet.port == 9000
+    assert load_pipeline({"version": 1, "name": "p", "children": [
+        {"name": "disk", "connector": "ExampleConnector"}]}).fleet.sample_rate == 1 / 256
+    with pytest.raises(PipelineConfigError) as error:
+        load_pipeline({"version": 1, "name": "p", "fleet": {"sample_rate": 2},
+                       "children": [{"name": "disk", "connector": "ExampleConnector", "shared": "Not Safe"}]})
+    message = str(error.value)
+    assert "children[0].shared" in message and "fleet.sample_rate" in message
+
+
+# -- the engine's side -------------------------------------------------------------------------------------------
+
+def test_what_leaves_the_engine_is_a_keyed_digest_never_a_block_hash() -> None:
+    requests = stream(200, seed=1)
+    one, other_secret = sampler("a"), sampler("b", secret=b"another secret")
+    for request in requests:
+        one.record(request, now=1.0)
+        other_secret.record(request, now=1.0)
+    body = one.batch(0).to_json().decode()
+    hashes = {block for request in requests for block in request}
+    assert not any(block[:8].hex() in body for block in hashes)
+    expected = {int.from_bytes(hashlib.blake2b(block, key=SECRET, digest_size=8).digest(), "big") for block in hashes}
+    digests = {digest for request in one.batch(0).requests for digest in request.digests}
+    assert digests == expected  # keyed BLAKE2b, 8 bytes
+    assert digests.isdisjoint(d for r in other_secret.batch(0).requests for d in r.digests)  # another secret
+    assert one.probe() != other_secret.probe()  # and the probe says so
+
+
+def test_the_fixed_threshold_samples_the_same_keys_on_every_engine() -> None:
+    requests = stream(400, seed=2)
+    engines = [sampler(name, rate=1 / 8) for name in "ab"]
+    for index, request in enumerate(requests):
+        engines[index % 2].record(request, now=float(index))
+    sampled = [{d for r in engine.batch(0).requests for d in r.digests} for engine in engines]
+    shared_blocks = {block for index, request in enumerate(requests) if index % 2 == 0 for block in request} & {
+        block for index, request in enumerate(requests) if index % 2 == 1 for block in request}
+    shared_sampled = {d for block in shared_blocks
+                      if (d := int.from_bytes(hashlib.blake2b(block, key=SECRET, digest_size=8).digest(), "big"))
+                      < (1 << 64) / 8}
+    assert shared_sampled and shared_sampled <= sampled[0] & sampled[1]
+    total = sum(len(request) for request in requests)
+    share = sum(len(r.digests) for engine in engines for r in engine.batch(0).requests) / total
+    assert 1 / 16 < share < 1 / 4
+
+
+def test_the_buffer_is_bounded_and_counts_what_it_dropped_unpulled() -> None:
+    bounded = sampler("a", buffer=16, clock=lambda: 40.0)
+    for index in range(10):
+        bounded.record([bytes([index]) * 32], now=float(index))
+    assert bounded.batch(0).next == 10 and bounded.dropped == 0
+    for index in range(10, 40):
+        bounded.record([bytes([index]) * 32], now=float(index))
+    batch = bounded.batch(10)
+    assert bounded.buffered == 16 and bounded.dropped == 40 - 10 - 16
+    assert [r.sequence for r in batch.requests] == list(range(25, 41)) and batch.first == 25
+    merger = FleetMerger(clock=lambda: 40.0)
+    merger.add("a", bounded.batch(0))
+    assert merger.engines["a"].lost == 24  # sequence numbers 1..24 never reached this aggregator
+
+
+# -- the aggregator over HTTP ------------------------------------------------------------------------------------
+
+def test_merged_samples_pulled_over_http_equal_an_exact_lru_of_the_interleaved_stream(
+        endpoints: list[FleetEndpoint], tmp_path: Path) -> None:
+    requests = stream(3000, seed=3)
+    start = time.time()
+    merger = FleetMerger(max_size_blocks=4096, lateness_s=0.0, half_life_s=None)
+    service = FleetService(merger, lambda: [url(endpoint) for endpoint in endpoints], timeout_s=10)
+    for index, request in enumerate(requests):
+        endpoints[index % 3].sampler.record(request, now=start + index * 1e-4)
+        if index % 700 == 699:  # pulls in between, as a running service would
+            for pull in service.round(now=0.0):
+                pull.result()
+    summary = service.run_once()
+    service.close()
+    sizes = [16, 64, 256, 1024, 4096]
+    merged = [ratio for _, ratio in merger.curve(TIER, sizes)]
+    keys = [np.array([int.from_bytes(block[:8], "big") for block in request], dtype=np.uint64)
+            for request in requests]
+    exact = exact_lru_hit_ratios(keys, sizes, tmp_path)
+    assert merged == pytest.approx(exact, abs=1e-9)
+    figures = summary["tiers"][TIER]
+    assert figures["engines"] == 3 and figures["children"] == ["disk"] and figures["disagreement"] is None
+    assert figures["references"] == sum(len(request) for request in requests)
+    text = exposition(service)
+    samples = read(text, ("kvcompose_fleet_",)).samples
+    points = {int(s.labels["size_blocks"]): s.value for s in samples["kvcompose_fleet_cache_size_hit_ratio"]}
+    assert points[256] == pytest.approx(exact[2])
+    assert read(text, ("kvcompose_fleet_",)).total("kvcompose_fleet_references_total", tier=TIER) == \
+        figures["references"]
+    assert read(text, ("kvcompose_fleet_",)).total("kvcompose_fleet_targets", state="up") == 3
+
+
+def test_an_engine_that_stops_mid_run_is_counted_and_the_rest_keep_merging(endpoints: list[FleetEndpoint]) -> None:
+    merger = FleetMerger(max_size_blocks=4096, lateness_s=0.0, half_life_s=None)
+    service = FleetService(merger, lambda: [url(endpoint) for endpoint in endpoints], timeout_s=5)
+    requests = stream(600, seed=4)
+    for index, request in enumerate(requests[:300]):
+        endpoints[index % 3].sampler.record(request)
+    service.run_once()
+    endpoints[2].close()  # the third engine goes away
+    for index, request in enumerate(requests[300:]):
+        endpoints[index % 2].sampler.record(request)
+    summary = service.run_once()
+    service.close()
+    assert summary["targets"][url(endpoints[2])]["up"] is False
+    assert summary["targets"][url(endpoints[2])]["failures"] == {"unreachable": 1}
+    assert summary["pull_failures"] == {"unreachable": 1}
+    assert summary["tiers"][TIER]["references"] == sum(len(request) for request in requests)
+    assert summary["tiers"][TIER]["curve"]
+    assert read(exposition(service), ("kvcompose_fleet_",)).total("kvcompose_fleet_targets", state="down") == 1
+
+
+class _Answering:
+    """An HTTP server answering every pull with what the test sets; ``hold`` keeps it from answering."""
+
+    def __init__(self) -> None:
+        self.body = b""
+        self.hold = threading.Event()
+        self.hold.set()
+        answering = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                answering.hold.wait()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(answering.body)))
+                self.end_headers()
+                self.wfile.write(answering.body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.hold.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_slow_engine_delays_no_other_pull_and_no_merge(endpoints: list[FleetEndpoint]) -> None:
+    slow = _Answering()
+    slow.hold.clear()  # it will not answer while the test looks
+    merger = FleetMerger(max_size_blocks=4096, lateness_s=0.0, half_life_s=None)
+    service = FleetService(merger, lambda: [slow.url, *(url(endpoint) for endpoint in endpoints)], timeout_s=1)
+    for index, request in enumerate(stream(300, seed=5)):
+        endpoints[index % 3].sampler.record(request)
+    pulls = service.round()
+    for pull in pulls[1:]:
+        pull.result()  # the others' pulls finish while the slow one still waits
+    service.merge(float("inf"))
+    assert service.summary()["tiers"][TIER]["engines"] == 3 and service.summary()["tiers"][TIER]["curve"]
+    assert not pulls[0].done()
+    assert len(service.round()) == 3  # no second pull of a target whose first is still in flight
+    pulls[0].result()
+    slow.close()
+    service.close()
+    assert service.summary()["pull_failures"] == {"timeout": 1}
+
+
+HOSTILE = {
+    "not JSON": b"\x00\xff garbage",
+    "a list": b"[1, 2, 3]",
+    "deeply nested": b"[" * 100000 + b"]" * 100000,
+    "wrong format": json.dumps({"format": 99}).encode(),
+    "rate above 1": None,
+    "NaN time": None,
+    "digests not hex": None,
+    "sequence numbers going back": None,
+    "a negative count": None,
+    "a huge count": None,
+    "a far-future clock": None,
+    "tiers not names": None,
+}
+
+
+def _hostile_bodies() -> dict[str, bytes]:
+    engine = sampler("h", clock=lambda: 1000.0)
+    engine.record([b"\x01" * 32, b"\x02" * 32], now=1000.0)
+    engine.record([b"\x03" * 32], now=1000.5)
+    good = json.loads(engine.batch(0).to_json())
+    good["time"] = 1000.0
+
+    def changed(**fields: object) -> bytes:
+        return json.dumps({**good, **fields}).encode().replace(b"NaN", b"NaN")
+
+    requests = good["requests"]
+    bodies = {name: body for name, body in HOSTILE.items() if body is not None}
+    bodies.update({
+        "rate above 1": changed(sample_rate=3.0),
+        "NaN time": changed(time=float("nan")),
+        "digests not hex": changed(requests=[[1, 1000.0, 2, "zz" * 8]]),
+        "sequence numbers going back": changed(requests=[requests[1], requests[0]]),
+        "a negative count": changed(references=-5),
+        "a huge count": changed(next=1 << 70),
+        "a far-future clock": changed(time=1e18),
+        "tiers not names": changed(tiers={"x": 5}),
+    })
+    return bodies
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_input_at_the_aggregator_is_a_clear_one_line_error_and_changes_nothing(case: str) -> None:
+    body = _hostile_bodies()[case]
+    merger = FleetMerger(clock=lambda: 1000.0)
+    with pytest.raises(FleetPayloadError) as error:
+        merger.add("h", parse_batch(body))
+    assert "\n" not in str(error.value) and len(str(error.value)) < 200
+    assert merger.engines.get("h") is None or merger.engines["h"].instance is None
+    assert merger.merge(float("inf")) == 0
+
+
+def test_hostile_answers_over_http_are_counted_and_the_service_keeps_serving(endpoints: list[FleetEndpoint]) -> None:
+    hostile = _Answering()
+    merger = FleetMerger(max_size_blocks=4096, lateness_s=0.0, half_life_s=None)
+    service = FleetService(merger, lambda: [hostile.url, url(endpoints[0])], timeout_s=5)
+    endpoints[0].sampler.record(stream(1, seed=6)[0])
+    bodies = _hostile_bodies()
+    for body in bodies.values():
+        hostile.body = body
+        service.run_once()
+    hostile.close()
+    service.close()
+    assert service.summary()["pull_failures"] == {"bad_answer": len(bodies)}
+    assert service.summary()["tiers"][TIER]["engines"] == 1
+    assert "kvcompose_fleet_cache_size_hit_ratio" in exposition(service)
+
+
+def test_an_engine_refuses_a_bad_cursor(endpoints: list[FleetEndpoint]) -> None:
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(f"{url(endpoints[0])}{SAMPLES_PATH}?after=-1", timeout=10)
+    assert error.value.code == 400
+
+
+# -- keys that cannot agree --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("difference", ["hash_config", "secret", "rate"])
+def test_engines_whose_keys_cannot_agree_get_a_clear_message_not_a_curve(difference: str) -> None:
+    other = {"hash_config": {"hash_config": b"xxhash / 16 / a random root"},
+             "secret": {"secret": b"another fleet's secret"}, "rate": {"rate": 0.5}}[difference]
+    engines = [sampler("engine-a", clock=lambda: 1100.0),
+               sampler("engine-b", clock=lambda: 1100.0, **other)]  # type: ignore[arg-type]
+    for index, request in enumerate(stream(100, seed=7)):
+        engines[index % 2].record(request, now=1000.0 + index)
+    merger = FleetMerger(lateness_s=0.0, clock=lambda: 1100.0)
+    for index, engine in enumerate(engines):
+        merger.add(f"http://e{index}", engine.batch(0))
+    merger.merge()
+    message = merger.disagreement(TIER)
+    assert message is not None and "engine-a" in message and "engine-b" in message
+    assert ("cannot agree" in message) if difference != "rate" else ("different rates" in message)
+    assert merger.curve(TIER) == []
+
+
+# -- the command -------------------------------------------------------------------------------------------------
+
+def test_kvcompose_fleet_once_prints_the_tiers(endpoints: list[FleetEndpoint],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    for index, request in enumerate(stream(200, seed=8)):
+        endpoints[index % 3].sampler.record(request)
+    assert main(["fleet", "--once", "--lateness", "0", "--capacity", f"{TIER}=512",
+                 *(arg for endpoint in endpoints for arg in ("--target", url(endpoint)))]) == 0
+    figures = json.loads(capsys.readouterr().out)["tiers"][TIER]
+    assert figures["engines"] == 3 and figures["capacity_blocks"] == 512
+    assert 512 in [size for size, _ in figures["curve"]]
+
+
+def test_kvcompose_fleet_refuses_bad_options_one_line_each(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_status:
+        main(["fleet", "--prometheus", "http://p:9090", "--capacity", "t=-1", "--interval", "0"])
+    assert exit_status.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all("Traceback" not in line for line in lines)
