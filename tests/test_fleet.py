@@ -352,3 +352,47 @@ def test_kvcompose_fleet_refuses_bad_options_one_line_each(capsys: pytest.Captur
     assert exit_status.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all("Traceback" not in line for line in lines)
+
+
+# -- kvcompose advise --fleet ------------------------------------------------------------------------------------
+
+def test_advise_fleet_sizes_a_shared_tier_by_the_fleet_curve_and_sums_its_value_over_engines(
+        endpoints: list[FleetEndpoint], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.test_economics_advise import TIERS, registry, run, write
+
+    for index, request in enumerate(stream(400, seed=9)):
+        endpoints[index % 3].sampler.record(request)
+    merger = FleetMerger(max_size_blocks=4096, lateness_s=0.0, capacities={TIER: 64})
+    service = FleetService(merger, lambda: [url(endpoint) for endpoint in endpoints])
+    service.run_once()
+    service.close()
+    fleet = tmp_path / "fleet.txt"
+    fleet.write_text(exposition(service))
+    # Two engines' /metrics in one file, and a copy of it standing for two more: counters add up.
+    engines = write(tmp_path / "engines.txt", registry(net_negative_disk=False))
+    status, out, err = run(["advise", "--metrics", str(engines), "--fleet", str(fleet), "--json"], capsys)
+    assert status == 0, err
+    shared = json.loads(out)["shared_tiers"]
+    assert [tier["tier"] for tier in shared] == [TIER] and shared[0]["children"] == ["disk"]
+    saved = sum(TIERS["disk"]["saved_s"]) * 10  # the scenario's disk tier, both engines, when it pays
+    wait = sum(TIERS["disk"]["wait"]["load"])
+    assert shared[0]["prefill_saved_s"] == pytest.approx(saved) and shared[0]["load_wait_s"] == pytest.approx(wait)
+    assert shared[0]["net_s"] == pytest.approx(saved - wait) and shared[0]["engines"] == 3
+    curve = dict(merger.curve(TIER))
+    assert shared[0]["hit_ratio_at_capacity"] == pytest.approx(curve[64])
+    status, out, _ = run(["advise", "--metrics", str(engines), "--metrics", str(engines), "--fleet", str(fleet)],
+                         capsys)
+    assert status == 0 and f"shared tier {TIER}" in out and f"net {2 * (saved - wait):+.3g} s" in out
+    # Where it does not pay, summed over the engines, advise exits 1 and names it.
+    losing = write(tmp_path / "losing.txt", registry(net_negative_disk=True))
+    status, out, _ = run(["advise", "--metrics", str(losing), "--fleet", str(fleet), "--json"], capsys)
+    assert status == 1 and TIER in json.loads(out)["net_negative"]
+
+
+def test_advise_fleet_refuses_what_is_not_the_aggregators_metrics(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.test_economics_advise import registry, run, write
+
+    engines = write(tmp_path / "engines.txt", registry())
+    status, _, err = run(["advise", "--metrics", str(engines), "--fleet", str(engines)], capsys)
+    assert status == 2 and err.strip().count("\n") == 0 and "not the /metrics of kvcompose fleet" in err

@@ -9,6 +9,9 @@ GiB, write waste and the tokens the load policy left behind, with advice
 that states the figures behind it (kvcompose.economics.advice). With
 ``--by-tenant``, per tenant label too: prompt tokens, tokens served and
 seconds saved by each tier, and the tenant's hit ratio at each tier's size.
+Several engines' saved /metrics (``--metrics`` repeated) are summed.
+``--fleet`` adds the shared tiers, by ``kvcompose fleet``'s curves and their
+value summed over the engines (kvcompose.economics.fleet_advice).
 
 Exit status: 0; 1 when a tier is net negative (it saved less prefill time
 than the engine waited on it), so the command can gate a rollout, and for
@@ -32,6 +35,7 @@ from typing import Any
 
 from kvcompose.command_line import Commands, refuse
 from kvcompose.economics.advice import Advice, TierAdvice, advise, gib_text
+from kvcompose.economics.fleet_advice import advise_shared, read_fleet, read_fleet_source, shared_lines
 from kvcompose.economics.observations import InputError, Observations
 
 EXIT_NET_NEGATIVE = 1
@@ -48,14 +52,18 @@ def add_command(commands: Commands) -> None:
         "negative (for nothing else; no tier is judged while the engine's prefill cost per token is not known), 2 "
         "when the input cannot be advised on.")
     source = advise.add_mutually_exclusive_group(required=True)
-    source.add_argument("--metrics", type=Path, metavar="FILE",
-                        help="a saved /metrics exposition; per second means since the server started")
+    source.add_argument("--metrics", type=Path, metavar="FILE", action="append",
+                        help="a saved /metrics exposition; per second means since the server started (repeat for "
+                        "each engine: counters are summed over them)")
     source.add_argument("--prometheus", metavar="URL", help="a Prometheus server scraping the vLLM servers")
     advise.add_argument("--since", metavar="DURATION",
                         help=f"with --prometheus: the window to read, e.g. 6h, 90m, 2d (default {DEFAULT_SINCE})")
     advise.add_argument("--at", metavar="TIME",
                         help="with --prometheus, the end of the window (default now); with --metrics, when the "
                         "file was saved (default its modification time): Unix seconds or ISO 8601")
+    advise.add_argument("--fleet", metavar="FILE|URL",
+                        help="also advise on the shared tiers by kvcompose fleet's /metrics (a saved file or its URL): "
+                        "each one's fleet-wide curve, and its value summed over the engines")
     advise.add_argument("--json", action="store_true", help="print the figures and advice as JSON")
     advise.add_argument("--by-tenant", action="store_true",
                         help="also per tenant (pipelines with tenants.top_k): prompt tokens, tokens served and "
@@ -66,20 +74,27 @@ def add_command(commands: Commands) -> None:
 def _advise(args: argparse.Namespace) -> None:
     try:
         observations = _read(args)
+        fleet = read_fleet(read_fleet_source(args.fleet), args.fleet) if args.fleet is not None else None
     except InputError as error:
         refuse(str(error))
     advice = advise(observations)
+    shared = advise_shared(fleet, observations, advice.cost_known) if fleet is not None else []
     if args.json:
-        sys.stdout.write(json.dumps(as_json(advice, args.by_tenant), indent=2) + "\n")
+        figures = as_json(advice, args.by_tenant)
+        if fleet is not None:
+            figures["shared_tiers"] = _finite([asdict(tier) for tier in shared])
+            figures["net_negative"] = figures["net_negative"] + [tier.tier for tier in shared if tier.net_negative]
+        sys.stdout.write(json.dumps(figures, indent=2) + "\n")
     else:
-        sys.stdout.write(as_text(advice, args.by_tenant))
-    if advice.net_negative:
+        shared_text = "".join(line + "\n" for line in shared_lines(shared, args.fleet))
+        sys.stdout.write(as_text(advice, args.by_tenant) + shared_text)
+    if advice.net_negative or any(tier.net_negative for tier in shared):
         raise SystemExit(EXIT_NET_NEGATIVE)
 
 
 def _read(args: argparse.Namespace) -> Observations:
     # The readers import prometheus_client's parsers: only this command pays for them.
-    from kvcompose.economics.exposition import read_exposition
+    from kvcompose.economics.exposition import read_expositions
     from kvcompose.economics.promql import parse_duration, read_prometheus
 
     problems = []
@@ -96,16 +111,16 @@ def _read(args: argparse.Namespace) -> Observations:
             window_s = parse_duration(args.since or DEFAULT_SINCE)
         except InputError as error:
             problems.append(str(error))
-    if args.metrics is not None:
+    saved = []
+    for path in args.metrics or ():
         try:
-            text = args.metrics.read_text()
-            saved_at = args.metrics.stat().st_mtime
+            saved.append((path.read_text(), str(path), path.stat().st_mtime if at is None else at))
         except (OSError, UnicodeDecodeError) as error:
-            problems.append(f"{args.metrics}: cannot read: {getattr(error, 'strerror', None) or error}")
+            problems.append(f"{path}: cannot read: {getattr(error, 'strerror', None) or error}")
     if problems:
         refuse("\n".join(problems))
     if args.metrics is not None:
-        return read_exposition(text, str(args.metrics), saved_at if at is None else at)
+        return read_expositions(saved)
     return read_prometheus(args.prometheus, window_s, time.time() if at is None else at)
 
 

@@ -29,10 +29,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvcompose.economics.shards import ReuseDistanceSampler
 from kvcompose.economics.sizes import GRID_HEADROOM, SMALLEST_GRID_SIZE, size_grid
 from kvcompose.wire.fleet import FleetBatch, FleetPayloadError
+
+if TYPE_CHECKING:
+    from kvcompose.economics.shards import ReuseDistanceSampler
 
 DEFAULT_LATENESS_S = 30.0
 DEFAULT_MAX_SIZE_BLOCKS = 1 << 22
@@ -176,6 +179,9 @@ class FleetMerger:
 
     def _tier(self, tier: str, rate: float) -> TierState:
         if tier not in self.tiers:
+            # Here, not at the top: the sampler imports numpy, which the kvcompose command line does not load.
+            from kvcompose.economics.shards import ReuseDistanceSampler
+
             sampler = ReuseDistanceSampler(self.max_size_blocks, max_tracked_keys=self._max_tracked_keys,
                                            sample_rate=rate, full_sample_references=0,
                                            half_life_s=self._half_life_s, clock=self._clock)
