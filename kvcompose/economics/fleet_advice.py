@@ -155,7 +155,8 @@ def shared_lines(tiers: list[SharedTierAdvice], source: str) -> list[str]:
     lines = []
     for tier in tiers:
         children = ", ".join(tier.children) or "no child named"
-        lines += ["", f"shared tier {tier.tier} (kvcompose fleet at {source}): {tier.engines} engines, as {children}; "
-                  f"{tier.sampled_references:,.0f} sampled of {tier.references:,.0f} block references"]
+        heading = (f"shared tier {tier.tier} (kvcompose fleet at {source}): {tier.engines} engines, as {children}; "
+                   f"{tier.sampled_references:,.0f} sampled of {tier.references:,.0f} block references")
+        lines += ["", heading]
         lines += [f"  - {note}" for note in tier.recommendations]
     return lines
