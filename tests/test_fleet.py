@@ -396,3 +396,21 @@ def test_advise_fleet_refuses_what_is_not_the_aggregators_metrics(tmp_path: Path
     engines = write(tmp_path / "engines.txt", registry())
     status, _, err = run(["advise", "--metrics", str(engines), "--fleet", str(engines)], capsys)
     assert status == 2 and err.strip().count("\n") == 0 and "not the /metrics of kvcompose fleet" in err
+
+
+def test_every_fleet_series_is_documented(endpoints: list[FleetEndpoint]) -> None:
+    import urllib.request
+
+    endpoints[0].sampler.record(stream(1, seed=10)[0])
+    nowhere = endpoints[1]
+    nowhere.close()  # a target that does not answer, so that the failure counter has a sample
+    service = FleetService(FleetMerger(lateness_s=0.0, capacities={TIER: 64}), lambda: [url(endpoints[0]), url(nowhere)])
+    service.run_once()
+    service.close()
+    with urllib.request.urlopen(f"{url(endpoints[0])}/metrics", timeout=10) as response:
+        engine_metrics = response.read().decode()
+    names = {sample for text in (exposition(service), engine_metrics)
+             for sample in read(text, ("kvcompose_fleet_",)).samples}
+    assert len(names) >= 14
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    assert sorted(name for name in names if f"`{name}`" not in docs) == []

@@ -69,14 +69,9 @@ class EngineState:
     failures: Counter[str] = field(default_factory=Counter)
 
 
-@dataclass(order=True)
-class _Pending:
-    time: float
-    order: int
-    target: str = field(compare=False)
-    tiers: tuple[str, ...] = field(compare=False)
-    references: int = field(compare=False)
-    digests: tuple[int, ...] = field(compare=False)
+# A request waiting to be merged: (time, arrival order, target, its tiers, block references, digests). A tuple,
+# ordered by time then arrival (unique), so the heap compares in C.
+_Pending = tuple[float, int, str, tuple[str, ...], int, tuple[int, ...]]
 
 
 @dataclass
@@ -156,24 +151,24 @@ class FleetMerger:
             self.late_requests += 1
             moment = self._merged_until  # keeps the order among the late
         self._order += 1
-        heapq.heappush(self._pending, _Pending(moment, self._order, target, tiers, references, digests))
+        heapq.heappush(self._pending, (moment, self._order, target, tiers, references, digests))
 
     def merge(self, now: float | None = None) -> int:
         """Feed the requests older than the lateness (or, past the pending limit, the oldest) to the tiers'
         samplers, in time order; ``now=math.inf`` feeds them all. Returns how many went in."""
         horizon = (self._clock() if now is None else now) - self.lateness_s
         pending, merged = self._pending, 0
-        while pending and (pending[0].time <= horizon or len(pending) > MAX_PENDING_REQUESTS):
-            item = heapq.heappop(pending)
-            self._merged_until = max(self._merged_until, item.time)
-            rate = self.engines[item.target].sample_rate or 0.0
-            for tier in item.tiers:
+        while pending and (pending[0][0] <= horizon or len(pending) > MAX_PENDING_REQUESTS):
+            moment, _, target, tiers, references, digests = heapq.heappop(pending)
+            self._merged_until = max(self._merged_until, moment)
+            rate = self.engines[target].sample_rate or 0.0
+            for tier in tiers:
                 state = self._tier(tier, rate)
                 if state.sample_rate != rate:
                     continue  # samples at another rate do not merge; disagreement() says so
-                state.sampler.record_presampled(item.digests, item.references, now=item.time)
-                state.references += item.references
-                state.sampled_references += len(item.digests)
+                state.sampler.record_presampled(digests, references, now=moment)
+                state.references += references
+                state.sampled_references += len(digests)
             merged += 1
         return merged
 
