@@ -211,9 +211,9 @@ class FleetSection(_Section):
     )
     host: Annotated[str, StringConstraints(min_length=1)] = Field(
         "0.0.0.0", description="The address the engine's fleet endpoint listens on.")
-    port: Annotated[int, Field(ge=1, le=65535)] = Field(
+    port: Annotated[int, Field(ge=0, le=65535)] = Field(
         8790, description="The port of the engine's fleet endpoint (plus the engine's data-parallel rank); "
-        "${VAR} gives each engine on one host its own.",
+        "${VAR} gives each engine on one host its own; 0: any free port, logged (fleet_endpoint_listening).",
     )
     buffer_samples: Annotated[int, Field(ge=16, le=1 << 24)] = Field(
         1 << 16, description="Sampled requests kept for the aggregator between its pulls; older ones are dropped "

@@ -11,6 +11,7 @@ PYTHONHASHSEED hashes blocks differently: the aggregator must say so instead of 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +26,7 @@ from kvcompose.economics.fleet_merge import FleetMerger
 from kvcompose.exposition import read
 from kvcompose.render import kv_transfer_config
 
-from .server_support import Server, free_port, start_server
+from .server_support import Server, start_server
 from .test_economics_accuracy import exact_lru_hit_ratios
 from .test_economics_advise import run
 
@@ -46,15 +47,18 @@ def pipeline(disk: Path, port: int, saves: bool) -> str:
 
 
 class Engine:
-    def __init__(self, server: Server, fleet_port: int) -> None:
+    def __init__(self, server: Server) -> None:
         self.server = server
-        self.fleet_url = f"http://127.0.0.1:{fleet_port}"
+        # The fleet endpoint listens on a free port of its own choosing (fleet.port 0), which it logs: a port the
+        # test picked could be taken, by the time the engine binds it, by the other server starting beside it.
+        listening = re.search(r"fleet_endpoint_listening\s+host=\S+ port=(\d+)", server.log.read_text())
+        assert listening is not None, server.log_tail()
+        self.fleet_url = f"http://127.0.0.1:{listening.group(1)}"
 
 
 def start(tiny_model: Path, root: Path, name: str, saves: bool, env: dict[str, str]) -> Engine:
-    port = free_port()
-    return Engine(start_server(tiny_model, pipeline(root / "disk", port, saves), root / f"{name}.log",
-                               env={"KVCOMPOSE_FLEET_SECRET": SECRET, **env}), port)
+    return Engine(start_server(tiny_model, pipeline(root / "disk", 0, saves), root / f"{name}.log",
+                               env={"KVCOMPOSE_FLEET_SECRET": SECRET, **env}))
 
 
 @pytest.fixture(scope="module")

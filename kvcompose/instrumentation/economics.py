@@ -112,7 +112,7 @@ def fleet_sampling(section: FleetSection, specs: list[ChildSpec], vllm_config: V
                   and (blocks := tier_capacity_blocks(spec, block_bytes)) is not None}
     sampler = FleetSampler(tiers, section.sample_rate, secret.encode(), section.buffer_samples, engine_id,
                            capacities, hash_configuration(vllm_config))
-    port = section.port + vllm_config.parallel_config.data_parallel_rank
+    port = section.port + vllm_config.parallel_config.data_parallel_rank if section.port else 0
     try:
         endpoint = FleetEndpoint(sampler, section.host, port)
     except OSError as error:
