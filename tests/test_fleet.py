@@ -414,3 +414,56 @@ def test_every_fleet_series_is_documented(endpoints: list[FleetEndpoint]) -> Non
     assert len(names) >= 14
     docs = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
     assert sorted(name for name in names if f"`{name}`" not in docs) == []
+
+
+def test_kvcompose_fleet_finds_the_engines_in_a_real_prometheus_targets_api(
+        endpoints: list[FleetEndpoint], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.prometheus_support import JOB, start_prometheus
+
+    for request in stream(50, seed=11):
+        endpoints[0].sampler.record(request)
+    # Prometheus scrapes the engine's fleet endpoint as a target (it reports it up: its /metrics parses).
+    prometheus = start_prometheus(url(endpoints[0]), tmp_path)
+    try:
+        assert main(["fleet", "--once", "--lateness", "0", "--prometheus", prometheus.url, "--job", JOB]) == 0
+        figures = json.loads(capsys.readouterr().out)
+        assert main(["fleet", "--once", "--prometheus", prometheus.url, "--job", "another-job"]) == 0
+        nobody = json.loads(capsys.readouterr().out)
+    finally:
+        prometheus.stop()
+    assert list(figures["targets"]) == [url(endpoints[0])]
+    assert figures["tiers"][TIER]["references"] == endpoints[0].sampler.references
+    assert nobody["targets"] == {} and nobody["tiers"] == {}
+
+
+def test_the_service_serves_its_metrics_and_keeps_pulling(endpoints: list[FleetEndpoint], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import urllib.request
+
+    from tests.prometheus_support import wait
+    from tests.server_support import free_port, stop_process
+
+    port = free_port()
+    log = tmp_path / "fleet.log"
+    with log.open("wb") as sink:
+        service = subprocess.Popen(
+            [sys.executable, "-m", "kvcompose", "fleet", "--listen", f"127.0.0.1:{port}", "--interval", "0.2",
+             "--lateness", "0", *(arg for endpoint in endpoints for arg in ("--target", url(endpoint)))],
+            stdout=sink, stderr=subprocess.STDOUT)
+
+    def references() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            return read(response.read().decode(), ("kvcompose_fleet_",)).total(
+                "kvcompose_fleet_references_total", tier=TIER)
+
+    try:
+        requests = stream(100, seed=12)
+        for index, request in enumerate(requests[:50]):
+            endpoints[index % 3].sampler.record(request)
+        wait(lambda: references() == sum(len(request) for request in requests[:50]), 60, log.read_text)
+        for index, request in enumerate(requests[50:]):  # later traffic reaches it at the next pulls
+            endpoints[index % 3].sampler.record(request)
+        wait(lambda: references() == sum(len(request) for request in requests), 60, log.read_text)
+    finally:
+        stop_process(service)
