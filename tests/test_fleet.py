@@ -467,3 +467,42 @@ def test_the_service_serves_its_metrics_and_keeps_pulling(endpoints: list[FleetE
         wait(lambda: references() == sum(len(request) for request in requests), 60, log.read_text)
     finally:
         stop_process(service)
+
+
+# -- the engine's wiring -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("secret", ["", "s3cret"])
+def test_the_scheduler_samples_for_its_shared_tier_only_with_the_fleets_secret(
+        secret: str, vllm_config_with: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    import urllib.request
+
+    from kvcompose.connectors.children import child_specs
+    from kvcompose.instrumentation import stream_sampler
+    from tests.test_economics_reports import _admitted
+
+    pipeline = {"version": 1, "name": "fleet", "fleet": {"host": "127.0.0.1", "port": 0, "sample_rate": 1.0},
+                "children": [{"name": "disk", "connector": "ExampleConnector", "shared": TIER,
+                              "config": {"shared_storage_path": "/nonexistent"}}]}
+    config = vllm_config_with({"kv_connector": "KVComposeConnector", "kv_connector_module_path": "kvcompose.connectors",
+                               "kv_role": "kv_both", "kv_connector_extra_config": {"pipeline": pipeline}})
+    config.cache_config.num_gpu_blocks = 300
+    monkeypatch.setenv("KVCOMPOSE_FLEET_SECRET", secret)
+    loaded = load_pipeline(pipeline)
+    sampler = stream_sampler(child_specs(config, loaded), (0,), config, None, loaded)
+    assert sampler is not None
+    if not secret:
+        assert sampler.fleet is None  # no digest leaves an engine without the fleet's secret
+        return
+    assert sampler.fleet is not None
+    try:
+        request = _admitted(list(range(16 * 4)))  # a real vLLM request: 4 blocks, hashed as the engine does
+        sampler.admitted(request)
+        with urllib.request.urlopen(f"http://127.0.0.1:{sampler.fleet.endpoint.port}{SAMPLES_PATH}?after=0",
+                                    timeout=10) as response:
+            batch = parse_batch(response.read())
+    finally:
+        sampler.close()
+    expected = tuple(int.from_bytes(hashlib.blake2b(block, key=secret.encode(), digest_size=8).digest(), "big")
+                     for block in request.block_hashes)
+    assert batch.tiers == {TIER: "disk"} and batch.references == 4 and batch.requests[0].digests == expected
+    assert batch.probe is not None  # vLLM's root hash is set (the request above was hashed with it)
