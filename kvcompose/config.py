@@ -247,7 +247,7 @@ class Pipeline(_Section):
 
     @model_validator(mode="after")
     def _check_children(self) -> Pipeline:
-        problems = _children_problems(self.children)
+        problems = [*_children_problems(self.children), *_shared_problems(self)]
         if problems:
             # Not a ValueError: pydantic would drop the field paths.
             raise PipelineConfigError(problems)
@@ -255,6 +255,23 @@ class Pipeline(_Section):
 
     def child_role(self, child: ChildConfig) -> KVRole:
         return child.role or self.role
+
+
+def _shared_problems(pipeline: Pipeline) -> list[Problem]:
+    """A shared tier named twice in one pipeline, or named where metrics are off (the fleet's samples are taken
+    with the engine's curve, which metrics turn on)."""
+    problems, first_seen = [], {}
+    for index, child in enumerate(pipeline.children):
+        if child.shared is None:
+            continue
+        if not pipeline.metrics.enabled:
+            problems.append(Problem(("children", index, "shared"), "a shared tier needs metrics.enabled: true (the "
+                                    "fleet's samples are taken with the engine's hit-ratio curve)"))
+        if child.shared in first_seen:
+            problems.append(Problem(("children", index, "shared"), f"tier {shown(child.shared)} is already named "
+                                    f"by children[{first_seen[child.shared]}]; one child per shared tier"))
+        first_seen.setdefault(child.shared, index)
+    return problems
 
 
 # (name, connector, has a module_path) of a child; None where the value is not a string.

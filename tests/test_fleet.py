@@ -80,6 +80,13 @@ def test_a_child_names_a_shared_tier_and_the_fleet_section_sets_one_rate() -> No
                        "children": [{"name": "disk", "connector": "ExampleConnector", "shared": "Not Safe"}]})
     message = str(error.value)
     assert "children[0].shared" in message and "fleet.sample_rate" in message
+    with pytest.raises(PipelineConfigError) as error:
+        load_pipeline({"version": 1, "name": "p", "metrics": {"enabled": False}, "children": [
+            {"name": "a", "connector": "ExampleConnector", "shared": TIER},
+            {"name": "b", "connector": "ExampleConnector", "shared": TIER}]})
+    problems = str(error.value).splitlines()
+    assert sum("needs metrics.enabled" in line for line in problems) == 2
+    assert any("children[1].shared" in line and "already named by children[0]" in line for line in problems)
 
 
 # -- the engine's side -------------------------------------------------------------------------------------------
