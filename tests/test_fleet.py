@@ -513,3 +513,25 @@ def test_the_scheduler_samples_for_its_shared_tier_only_with_the_fleets_secret(
                      for block in request.block_hashes)
     assert batch.tiers == {TIER: "disk"} and batch.references == 4 and batch.requests[0].digests == expected
     assert batch.probe is not None  # vLLM's root hash is set (the request above was hashed with it)
+
+
+def test_a_restarted_engine_is_pulled_from_its_new_beginning(tmp_path: Path) -> None:
+    first = FleetEndpoint(sampler("engine-a"), "127.0.0.1", 0)
+    port = first.port
+    merger = FleetMerger(max_size_blocks=4096, lateness_s=0.0, half_life_s=None)
+    service = FleetService(merger, lambda: [f"http://127.0.0.1:{port}"])
+    requests = stream(60, seed=13)
+    for request in requests[:40]:
+        first.sampler.record(request)
+    service.run_once()
+    first.close()
+    again = FleetEndpoint(sampler("engine-a"), "127.0.0.1", port)  # the same engine, started anew
+    try:
+        for request in requests[40:]:
+            again.sampler.record(request)
+        summary = service.run_once()
+    finally:
+        again.close()
+        service.close()
+    assert summary["tiers"][TIER]["references"] == sum(len(request) for request in requests)
+    assert summary["targets"][f"http://127.0.0.1:{port}"]["lost_requests"] == 0

@@ -129,8 +129,8 @@ class FleetService:
                 if target in self._in_flight:
                     continue
                 self._in_flight.add(target)
-                cursor = self.merger.cursor(target)
-            started.append(self._pool.submit(self._pull, target, cursor))
+                cursor, instance = self.merger.cursor(target), self.merger.engine(target).instance
+            started.append(self._pool.submit(self._pull, target, cursor, instance))
         self.merge(now)
         return started
 
@@ -155,10 +155,12 @@ class FleetService:
         except PullFailed as error:
             self._count_failure(str(error), "discovery", error.reason)
 
-    def _pull(self, target: str, cursor: int) -> None:
+    def _pull(self, target: str, cursor: int, instance: str | None) -> None:
         try:
             try:
                 batch = parse_batch(pull(target, cursor, self.timeout_s))
+                if cursor and batch.instance != instance:  # the engine restarted: its sequence began again
+                    batch = parse_batch(pull(target, 0, self.timeout_s))
                 with self._lock:
                     self.merger.add(target, batch)
                     self._warned.pop(target, None)
