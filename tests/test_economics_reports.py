@@ -128,6 +128,29 @@ def test_steps_the_host_stalled_do_not_move_the_slope() -> None:
     assert cost.seconds_per_token == pytest.approx(3e-6, rel=0.1)
 
 
+def test_a_slope_at_or_below_zero_is_no_cost_so_loads_wait_to_be_priced() -> None:
+    """A tiny model's steps on a busy host are mostly stalls: here (step times a loaded 2-core machine gave
+    tests/test_dashboard_live.py) they fell on the short prefills, so the fitted slope is below zero. A bigger
+    prefill never costs less: that is noise, not a price. No cost is reported, so a load meanwhile is priced
+    at the first cost the steps show, where a cost of 0 would have priced it at nothing for good."""
+    cost = PrefillCost()
+    series, read = _series()
+    for prefill, seconds in ((135, 0.0846), (14, 0.0729), (381, 0.0527), (11, 0.0709), (365, 0.0391),
+                             (11, 0.0147), (364, 0.0206), (11, 0.0019), (354, 0.0428)):
+        cost.step_ended(seconds, prefill, 0)
+    fit = cost.fit()
+    assert fit is not None and fit.per_prefill_token < 0, fit
+    assert cost.seconds_per_token is None and cost.report(now=True) is None
+    series.loaded(0, "offload", 1000)
+    for prefill in (16, 400) * 500:  # the host calmed down: the steps, as they outweigh the stalls, show the cost
+        cost.step_ended(5e-3 + 2e-6 * prefill, prefill, 0)
+    report = cost.report(now=True)
+    assert report is not None and report.prefill_seconds_per_token > 0, report
+    series.observe(report, 0)
+    assert read("kvcompose_prefill_seconds_saved_total")[(("connector", "offload"),)] == pytest.approx(
+        1000 * report.prefill_seconds_per_token)
+
+
 def test_an_offloading_childs_capacity_is_its_host_bytes_in_engine_blocks(vllm_config_with: Callable) -> None:
     from kvcompose.config import load_pipeline
     from kvcompose.connectors.children import child_specs

@@ -34,7 +34,11 @@ what a loaded token is worth. Seconds over tokens would charge the fixed cost
 to the tokens, and on a small model, where the fixed cost is most of a step,
 would price a load at many times what it saves. A step far off the fit (the
 host was busy, a pause) is left out, so the fit follows the typical step. Until the steps' prefill
-sizes vary enough to tell the slope from the fixed cost, there is no estimate.
+sizes vary enough to tell the slope from the fixed cost, there is no estimate; nor while the slope is
+not above zero: a bigger prefill never costs less, so such a slope is the steps' timing noise (on a
+busy host a stall of milliseconds beside a small model's microseconds a token), not a price. A cost of
+0 would price every load at nothing for good (the front-end prices a load at the cost it knows then),
+where no estimate leaves the loads to be priced once there is one.
 """
 
 from __future__ import annotations
@@ -274,8 +278,9 @@ class PrefillCost:
 
     @property
     def seconds_per_token(self) -> float | None:
-        """The fitted prefill cost per token (never below zero)."""
-        return None if (fit := self.fit()) is None else max(fit.per_prefill_token, 0.0)
+        """The fitted prefill cost per token; None while the fit has none above zero."""
+        fit = self.fit()
+        return fit.per_prefill_token if fit is not None and fit.per_prefill_token > 0 else None
 
     def report(self, now: bool = False) -> EconomicsReport | None:
         """The estimate when it changed, at most every :data:`REPORT_EVERY_S` (unless ``now``)."""
