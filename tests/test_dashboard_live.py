@@ -10,6 +10,7 @@ path against a Prometheus that keeps exemplars.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from pathlib import Path
@@ -54,6 +55,9 @@ GPU_ONLY = {"tier_capacity_bytes"}
 NO_MARKS = {"capacity_marks", "tenant_hit_ratio_at_gpu"}
 # Economics reports reach /metrics every few seconds (kvcompose.instrumentation.economics.REPORT_EVERY_S).
 REPORTED_LATER = ("kvcompose_cache_size_hit_ratio", "kvcompose_prefill_seconds_per_token")
+# The prefill cost is the slope of the steps' time over their prefill tokens (10 and 359 here): prompts of
+# sizes far apart let it show through a busy host's stalls, where prompts of one size would not.
+COST_PROMPT_WORDS = (8, 256)
 ALL = ".*"  # what Grafana sends for a variable set to "All"
 VARIABLES = {"model_name": ALL, "engine": ALL, "connector": ALL, "op": ALL}
 # $__rate_interval is at least 4 scrape intervals (4 s here); 2 m keeps the whole workload in the window.
@@ -161,11 +165,14 @@ def _connectors_expected(name: str, expr: str, child: str | None) -> set[str | N
 
 def _wait_for_economics_reports(served_pipeline: Any, prometheus: str) -> None:
     """The curve and the prefill cost reach /metrics with the stats of a step some seconds after the first
-    traffic: keep a little traffic going until Prometheus has scraped both."""
+    traffic, the cost once the steps show one (kvcompose.instrumentation.economics.PrefillCost): keep a little
+    traffic of two prompt sizes going until Prometheus has scraped both."""
+    lengths = itertools.cycle(COST_PROMPT_WORDS)
+
     def scraped() -> bool:
         if all(instant(prometheus, f"count({name})")["result"] for name in REPORTED_LATER):
             return True
-        served_pipeline.complete(prompt_words(seed=int(time.time()), length=48), max_tokens=2)
+        served_pipeline.complete(prompt_words(seed=int(time.time()), length=next(lengths)), max_tokens=2)
         time.sleep(1)
         return False
 
