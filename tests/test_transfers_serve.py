@@ -53,13 +53,18 @@ def offload_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, o
     server.stop()
 
 
-def _transfers(receiver: Any, trace_id: str, done: Any, seconds: float = 90) -> list[ReceivedSpan]:
+def _spans(receiver: Any, trace_id: str, keep: Any, done: Any, seconds: float = 90) -> list[ReceivedSpan]:
+    """The trace's spans that ``keep`` keeps, once ``done`` says they are all there (or ``seconds`` passed)."""
     deadline = time.monotonic() + seconds
     while True:
-        spans = [s for s in receiver.spans() if s.trace_id == trace_id and s.name.startswith("kvcompose.transfer ")]
+        spans = [s for s in receiver.spans() if s.trace_id == trace_id and keep(s)]
         if done(spans) or time.monotonic() > deadline:
             return spans
         time.sleep(0.5)
+
+
+def _transfers(receiver: Any, trace_id: str, done: Any) -> list[ReceivedSpan]:
+    return _spans(receiver, trace_id, lambda span: span.name.startswith("kvcompose.transfer "), done)
 
 
 def _durations_s(spans: list[ReceivedSpan], connector: str, direction: str) -> list[float]:
@@ -123,9 +128,9 @@ def test_offload_transfers_are_traced_measured_and_exemplified(
         assert _metric(metrics, "kvcompose_matched_tokens_total", connector=child) == _metric(
             metrics, "vllm:external_prefix_cache_hits_total") > 0
 
-    # The repeat's request span says which tier loaded it, and what its transfers did.
-    (repeat,) = [span for span in otlp_receiver.spans() if span.trace_id == traces[1]
-                 and span.name == "kvcompose.request"]
+    # The repeat's request span says which tier loaded it, and what its transfers did. It is the scheduler's: its
+    # process exports apart from the worker's, whose transfer spans came in above.
+    (repeat,) = _spans(otlp_receiver, traces[1], lambda span: span.name == "kvcompose.request", bool)
     assert repeat.attributes["kvcompose.load.connector"] == "offload"
     assert repeat.attributes["kvcompose.tier.offload.load_bytes"] == sum(
         span.attributes["kvcompose.transfer.bytes"] for span in loaded
