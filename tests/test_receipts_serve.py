@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,18 +63,6 @@ def receipts_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     server.stop()
 
 
-def _complete(server: Server, prompt: str, params: Any = None, headers: dict[str, str] | None = None,
-              ) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": server.model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
-                            "ignore_eos": True}
-    if params is not None:
-        body["kv_transfer_params"] = params
-    request = urllib.request.Request(f"{server.url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.load(response)
-
-
 def _counter(server: Server, name: str, **labels: str) -> float:
     return read(server.metrics()).total(name, **labels)
 
@@ -105,7 +92,7 @@ def test_receipts_match_vllms_cached_tokens_and_the_loaded_counter(receipts_serv
     prompt = prompt_words(seed=41, length=300)
     loaded_before = _counter(server, "kvcompose_loaded_tokens_total", connector="flaky")
 
-    cold = _complete(server, prompt)
+    cold = server.complete(prompt)
     receipt = _check(cold)
     assert receipt["tiers"] == {"flaky": 0, "disk": 0} and receipt["loaded_from"] is None
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 == receipt["gpu_cached_tokens"]
@@ -113,7 +100,7 @@ def test_receipts_match_vllms_cached_tokens_and_the_loaded_counter(receipts_serv
     # Whole blocks of the prompt, but its last token; the router predicts the whole prompt.
     prompt_tokens = cold["usage"]["prompt_tokens"]
     expected = (prompt_tokens - 1) // BLOCK * BLOCK
-    warm = _complete(server, prompt, {"kvcompose": {"predicted_cached_tokens": prompt_tokens}})
+    warm = server.complete(prompt, kv_transfer_params={"kvcompose": {"predicted_cached_tokens": prompt_tokens}})
     receipt = _check(warm)
     loaded = receipt["tiers"]["flaky"]
     assert receipt["loaded_from"] == "flaky" and loaded == expected > 0
@@ -124,11 +111,11 @@ def test_receipts_match_vllms_cached_tokens_and_the_loaded_counter(receipts_serv
 
     # A stored prompt whose load fails: every hit of flaky is a lie from now on.
     failing = prompt_words(seed=42, length=300)
-    first = _complete(server, failing)
+    first = server.complete(failing)
     errors_before = _counter(server, "kvcompose_load_error_blocks_total", connector="flaky")
     faults.with_name("faults.tmp").write_text(yaml.safe_dump({"lie": 1.0}))
     faults.with_name("faults.tmp").rename(faults)
-    failed = _complete(server, failing, headers={"x-kvcompose-predicted-cached-tokens": str(loaded)})
+    failed = server.complete(failing, headers={"x-kvcompose-predicted-cached-tokens": str(loaded)})
     faults.with_name("faults.tmp").write_text("")
     faults.with_name("faults.tmp").rename(faults)
     receipt = _check(failed)
@@ -161,14 +148,14 @@ def _nested(depth: int) -> Any:
 def test_hostile_predictions_change_no_answer_and_count_invalid(receipts_server: tuple[Server, Path]) -> None:
     server, _ = receipts_server
     prompt = prompt_words(seed=43, length=200)
-    plain = _complete(server, prompt)
+    plain = server.complete(prompt)
     invalid_before = _counter(server, "kvcompose_router_predictions_invalid_total")
     hostile = [{"kvcompose": {"predicted_cached_tokens": value}}
                # Not 500 levels here: vLLM's engine core dies pickling such kv_transfer_params for its workers
                # (RecursionError in shm_broadcast, whatever the connector); tests/test_receipts.py reads 500.
                for value in ("9" * 2048, -1, 12.5, 10**6, {"a": [1, {"b": None}]}, _nested(100))]
-    answers = [_complete(server, prompt, params) for params in hostile]
-    answers.append(_complete(server, prompt, headers={"x-kvcompose-predicted-cached-tokens": "x" * 1024}))
+    answers = [server.complete(prompt, kv_transfer_params=params) for params in hostile]
+    answers.append(server.complete(prompt, headers={"x-kvcompose-predicted-cached-tokens": "x" * 1024}))
     for answer in answers:
         assert answer["choices"][0]["text"] == plain["choices"][0]["text"]
         assert _check(answer)["tiers"] == _check(plain)["tiers"] or _check(answer)["loaded_from"] == "flaky"
