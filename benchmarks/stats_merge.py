@@ -26,8 +26,9 @@ LAYERS = 2  # the tiny model's
 def _stats_after(worker: Any, steps: int) -> Any:
     from kvcompose.wire.metadata import KVComposeMetadata
 
-    for _ in range(steps):
-        worker.bind_connector_metadata(KVComposeMetadata(per_child=(None,) * len(worker.children)))
+    for step in range(steps):  # the last step's stats carry the tables, as an engine's do once a second
+        worker.bind_connector_metadata(KVComposeMetadata(per_child=(None,) * len(worker.children),
+                                                         report_stats=step == steps - 1))
         forward_step(worker, LAYERS)
         worker.clear_connector_metadata()
     return worker.get_kv_connector_stats()

@@ -33,7 +33,9 @@ def step_metadata(children: int, step: int) -> Any:
 
 
 def run_steps(composite: Any, metadata: list[Any]) -> float:
-    """CPU seconds of this thread for one step per metadata."""
+    """CPU seconds of this thread for one step per metadata; the last step's stats carry the tables (as an
+    engine's do once a second)."""
+    metadata[-1].report_stats = True
     start = time.thread_time()
     for one_step in metadata:
         composite.bind_connector_metadata(one_step)

@@ -71,6 +71,15 @@ def plain_llm(tiny_model: Path) -> Any:
 
 
 @pytest.fixture
+def tables_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Composites send kvcompose's tables in every step's stats (an engine's send them once a second, and as it
+    goes idle): for tests that read the stats a step at a time."""
+    from kvcompose.instrumentation import scheduler
+
+    monkeypatch.setattr(scheduler, "TABLES_EVERY_S", 0.0)
+
+
+@pytest.fixture
 def exporter() -> Any:
     """Every pipeline's spans in this process, exported in-process to memory for the test."""
     from kvcompose.tracing import set_span_exporter

@@ -82,9 +82,25 @@ def greedy(max_tokens: int = 8) -> Any:
 
 
 def generate(llm: Any, prompts: list[str], max_tokens: int = 8) -> list[tuple[list[int], int]]:
-    """Token ids and the number of prompt tokens served from cache, per prompt."""
+    """Token ids and the number of prompt tokens served from cache, per prompt; then the engine goes idle
+    (:func:`run_to_idle`)."""
     outputs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
+    run_to_idle(llm)
     return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outputs]
+
+
+def run_to_idle(llm: Any) -> None:
+    """Run, and record the stats of, the engine's step after its last requests finished (no forward pass: it
+    tells the workers which requests finished, and kvcompose sends the tables it held, up to a second's).
+    ``vllm serve``'s front-end reads each step's output as it comes; an offline ``LLM`` only when called, and
+    an engine core in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs that step only then."""
+    engine = llm.llm_engine
+    in_process = getattr(engine.engine_core, "engine_core", None)
+    if in_process is not None:
+        if in_process.scheduler.has_requests():
+            engine.step()
+    elif engine.log_stats:  # the idle step's output carries its stats (none are sent without log_stats)
+        engine.step()
 
 
 def in_process_connectors(llm: Any) -> tuple[Any, Any]:

@@ -19,6 +19,9 @@ from kvcompose.testing import recording
 
 from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
 
+# These tests read the stats a step at a time.
+pytestmark = pytest.mark.usefixtures("tables_every_step")
+
 
 def _pair(vllm_config_with: Callable, hot: dict[str, Any] | None = None, tracing: bool = False,
           granularity: str = "request", **hot_config: Any) -> tuple[Any, Any]:

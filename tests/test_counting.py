@@ -19,6 +19,9 @@ from kvcompose.wire.calls import COUNTERS
 
 from .connector_support import RECORDING, composite_pair, make_blocks, make_request, scheduler_output
 
+# These tests read the stats a step at a time.
+pytestmark = pytest.mark.usefixtures("tables_every_step")
+
 
 def _pipeline(scripts: dict[str, dict[str, Any]]) -> dict[str, Any]:
     children = []
@@ -29,7 +32,9 @@ def _pipeline(scripts: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def _lookup_counters(scheduler: Any) -> dict[str, dict[str, int]]:
-    """Each child's non-zero lookup and token counters in the scheduler's next stats."""
+    """Each child's non-zero lookup and token counters in the scheduler's stats of its next step (built here, with
+    no forward pass: its stats go out)."""
+    scheduler.build_connector_meta(scheduler_output())
     calls = scheduler.get_kv_connector_stats().calls
     counters = {child: {name: count for name in COUNTERS if (count := calls.counter(child, name))}
                 for child in calls.children}

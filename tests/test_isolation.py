@@ -55,7 +55,9 @@ def _hit(scheduler: Any, request: Any, local: int = 0, blocks: tuple[int, ...] =
 def test_failed_lookup_is_a_miss_and_the_next_child_answers(vllm_config_with: Callable) -> None:
     scheduler, _ = _pair(vllm_config_with, {"hot": {"raises": ["get_num_new_matched_tokens"]},
                                             "cold": {"matches": {"r1": [[32, False]]}}})
-    assert _hit(scheduler, make_request("r1")) == (32, False)
+    request = make_request("r1")
+    assert _hit(scheduler, request) == (32, False)
+    scheduler.build_connector_meta(scheduler_output(new=[request], blocks=[1, 2, 3]))  # the first step: stats go out
     stats = scheduler.get_kv_connector_stats()
     assert stats.calls.errors == {"hot": {"lookup": {"ScriptedFailure": 1}}}
     assert stats.calls.counter("cold", "lookup_hits") == 1

@@ -320,7 +320,7 @@ def test_a_large_engines_workers_ship_their_tables_dense() -> None:
         from kvcompose.wire.metadata import KVComposeMetadata
 
         worker = kvcompose_connector(pipeline(2), "worker", workers=workers)
-        worker.bind_connector_metadata(KVComposeMetadata(per_child=(None, None)))
+        worker.bind_connector_metadata(KVComposeMetadata(per_child=(None, None), report_stats=True))
         forward_step(worker, 2)  # the first step is timed
         stats = worker.get_kv_connector_stats()
         worker.clear_connector_metadata()

@@ -41,9 +41,8 @@ if TYPE_CHECKING:
 
     from kvcompose.child_spec import ChildSpec
     from kvcompose.config import Pipeline
+    from kvcompose.wire.metadata import KVComposeMetadata, KVComposeWorkerMetadata, Summaries
 
-# The exporter's counters (spans dropped, spans waiting) are read at most this often, not every step.
-TELEMETRY_EVERY_S = 0.5
 
 # The watchdog's report of a composite's calls seen running at consecutive looks: (child name, operation label or
 # name) -> (seconds running, whether past watchdog_s: stuck).
@@ -145,7 +144,6 @@ class Instrumentation:
         self.step_parents = StepParents()  # set per step by the worker
         self.step_saves = False  # worker: the bound step has sync saves, so wait_for_save is told
         self._reports_span_telemetry = metrics.enabled and self.tracer is not None
-        self._telemetry_due = 0  # monotonic ns when the exporter's counters are read next
 
     # ---- the composite's calls into its children ----
 
@@ -288,23 +286,25 @@ class Instrumentation:
         engine is going idle, so this is the last take for a while: report what changed now."""
         return {}
 
-    def idle(self) -> bool:
-        """Is the engine going idle at this take of the stats (so what changed is reported now)?"""
-        return False
+    def take_due(self) -> tuple[bool, bool]:
+        """At this take of the stats: do kvcompose's tables go out (the scheduler side decides when: see
+        :data:`kvcompose.instrumentation.scheduler.TABLES_EVERY_S`), and is the engine going idle (so the roles'
+        reports report what changed now)?"""
+        return True, False
 
     def take_tables(self) -> dict[str, Any] | None:
-        """kvcompose's own tables since the last call (calls, transfers, span telemetry); None if all empty."""
-        idle = self.idle()
+        """kvcompose's own tables since the last take that sent them (calls, transfers, span telemetry, the role's
+        reports); None if this take sends none, or all are empty."""
+        due, idle = self.take_due()
+        if not due:
+            return None
         tables: dict[str, Any] = {}
         if (calls := self.recorder.take()) is not None:
             tables[CALLS_KEY] = calls
         if (transfers := self.transfer_recorder.take()) is not None:
             tables[TRANSFERS_KEY] = transfers
         tables.update(self.reports(idle))
-        # Span export's counters every TELEMETRY_EVERY_S, and as the engine goes idle: the last change before a
-        # pause (an exporter restarted as traffic ended) is not left waiting for the next request.
-        if self._reports_span_telemetry and ((now := time_ns()) >= self._telemetry_due or idle):
-            self._telemetry_due = now + int(TELEMETRY_EVERY_S * 1e9)
+        if self._reports_span_telemetry:
             assert self.tracer is not None
             if (telemetry := self.tracer.telemetry()) is not None:
                 tables[TELEMETRY_KEY] = telemetry

@@ -8,15 +8,17 @@ Hooks (the composite calls them):
 - :meth:`request_finished`: the request's span ends, whatever the children
   answered.
 - :meth:`metadata_built`: each step's metadata carries the new requests' saves
-  and the sampled requests to the workers, and asks them to report their stats
-  at once when the step runs no forward pass. The scheduler's own reports go
-  out then too, and whenever no admitted request is left.
+  and the sampled requests to the workers, and tells them when to send their
+  tables: once every :data:`TABLES_EVERY_S`, and at once when the step runs
+  no forward pass (the engine goes idle). The scheduler's own tables go out at
+  the same steps, and whenever no admitted request is left.
 - :meth:`worker_output`: the transfer summaries the workers send back for
   traced requests.
 """
 
 from __future__ import annotations
 
+from time import monotonic_ns
 from typing import TYPE_CHECKING, Any
 
 from kvcompose.adapters.completion import completion_mode
@@ -37,6 +39,13 @@ if TYPE_CHECKING:
     from kvcompose.wire.metadata import KVComposeMetadata, KVComposeWorkerMetadata
 
 
+# kvcompose's own tables (calls, transfers, span telemetry, the roles' reports) go out in the engine's stats at
+# most this often while it works, and at once as it goes idle. A take costs about the same whether it holds one
+# step's calls or a second's, and so does the front-end's replay of it into Prometheus (scraped every 15 s or so):
+# taken every step, the two were most of kvcompose's cost per step at small batches.
+TABLES_EVERY_S = 1.0
+
+
 class SchedulerInstrumentation(Instrumentation):
     """See the module docstring."""
 
@@ -55,7 +64,8 @@ class SchedulerInstrumentation(Instrumentation):
         self._job_children = [spec.index for spec in specs
                               if self.tracer is not None and completion_mode(spec.connector_cls) == "jobs"]
         self._admitted: set[str] = set()  # admitted requests not finished yet
-        self._idle_at_take = False
+        self._tables_due_ns = 0  # monotonic ns from which the next step's stats carry the tables
+        self._report_at_take = self._idle_at_take = False
 
     # ---- hooks ----
 
@@ -90,7 +100,7 @@ class SchedulerInstrumentation(Instrumentation):
         self._admitted.discard(request.request_id)
 
     def metadata_built(self, scheduler_output: SchedulerOutput, metadata: KVComposeMetadata) -> None:
-        """Add what the workers need to track transfers and join traces, and whether they flush their stats."""
+        """Add what the workers need to track transfers and join traces, and whether they send their tables."""
         if new_requests := scheduler_output.scheduled_new_reqs:
             metadata.saves = {new.req_id: len(new.block_ids[0]) if new.block_ids else 0 for new in new_requests}
         if self.receipts is not None:
@@ -102,7 +112,10 @@ class SchedulerInstrumentation(Instrumentation):
             moving = job_requests(metadata.per_child[index] for index in self._job_children)
             metadata.traced_requests = self.tracer.step_requests(scheduler_output, metadata.loads, moving)
         if not scheduler_output.total_num_scheduled_tokens:  # no forward pass: idle, or waiting
-            metadata.flush_stats = self._idle_at_take = True
+            metadata.flush_stats = metadata.report_stats = self._idle_at_take = True
+        elif (now := monotonic_ns()) >= self._tables_due_ns:
+            metadata.report_stats = self._report_at_take = True
+            self._tables_due_ns = now + int(TABLES_EVERY_S * 1e9)
         # A request scheduled more than one token prefills them (decodes schedule one each).
         for tokens in scheduler_output.num_scheduled_tokens.values():
             if tokens > 1:
@@ -137,9 +150,11 @@ class SchedulerInstrumentation(Instrumentation):
             reports[TENANTS_KEY] = tenants
         return reports
 
-    def idle(self) -> bool:
-        idle, self._idle_at_take = self._idle_at_take or not self._admitted, False
-        return idle
+    def take_due(self) -> tuple[bool, bool]:
+        idle = self._idle_at_take or not self._admitted
+        due = self._report_at_take or idle
+        self._report_at_take = self._idle_at_take = False
+        return due, idle
 
     def sizes(self) -> dict[str, int]:
         sizes = super().sizes()

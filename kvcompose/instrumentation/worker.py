@@ -56,7 +56,8 @@ class WorkerInstrumentation(Instrumentation):
         self._bound_ns = 0  # when the step was bound
         self._computed = (0, 0)  # ... and the prompt tokens it prefills, the requests it decodes
         self._step = 0  # the bound step's number (load errors are counted by it)
-        self._idle_at_take = False  # the next stats are reported at once (a step without a forward pass)
+        self._report_at_take = False  # the bound step's stats carry kvcompose's tables
+        self._idle_at_take = False  # ... and report what changed at once (a step without a forward pass)
 
     def waits_on(self, operation: Operation) -> StepWaits | None:
         return self.tracker.waits if operation.blocking is not None and self.tracker is not None else None
@@ -65,7 +66,7 @@ class WorkerInstrumentation(Instrumentation):
 
     def step_bound(self, metadata: KVComposeMetadata) -> None:
         """The step's metadata is about to be bound: its transfers begin, and its calls join its trace."""
-        self._step, self._idle_at_take = metadata.step, metadata.flush_stats
+        self._step, self._report_at_take, self._idle_at_take = metadata.step, metadata.report_stats, metadata.flush_stats
         self._bound_ns, self._computed = time_ns(), (metadata.prefill_tokens, metadata.decode_tokens)
         traced = self.tracer is not None and self.tracer.begin_step(metadata.traced_requests)
         contexts = self.tracer.step_contexts() if traced else {}  # type: ignore[union-attr]
@@ -149,9 +150,12 @@ class WorkerInstrumentation(Instrumentation):
             return {ECONOMICS_KEY: report}
         return {}
 
-    def idle(self) -> bool:
-        idle, self._idle_at_take = self._idle_at_take, False
-        return idle
+    def take_due(self) -> tuple[bool, bool]:
+        """As the scheduler said in the step's metadata: every worker of the engine sends its tables at the same
+        step, so a block that failed to load on several of them is merged into one count (kvcompose.wire.calls)."""
+        due, idle = self._report_at_take or self._idle_at_take, self._idle_at_take
+        self._report_at_take = self._idle_at_take = False
+        return due, idle
 
     def sizes(self) -> dict[str, int]:
         sizes = super().sizes()

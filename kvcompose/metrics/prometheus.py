@@ -305,9 +305,6 @@ class _NativeChildMetrics:
                     self._by_child[spec.name] = built
 
     def observe(self, child: str, entry: Any, engine_idx: int) -> None:
-        metrics = self._by_child.get(child)
-        if metrics is None:
-            return
-        stats = NativeStats.from_payload(entry)
-        if stats is not None:
-            metrics.observe(stats.stats.to_dict(), self._slot[(engine_idx, child)])
+        """The child's stats, as they crossed processes, into its metrics (as MultiConnector passes them)."""
+        if (metrics := self._by_child.get(child)) is not None:
+            metrics.observe(NativeStats.stats_data(entry), self._slot[(engine_idx, child)])

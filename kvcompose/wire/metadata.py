@@ -50,6 +50,9 @@ class KVComposeMetadata(KVConnectorMetadata):
     saves: dict[str, int] | None = None
     # The step's sampled requests, so worker-side spans join their traces.
     traced_requests: tuple[TracedRequest, ...] | None = None
+    # The workers send kvcompose's tables in this step's stats (once a second, and when flush_stats): all of them
+    # at the same step.
+    report_stats: bool = False
     # The step runs no forward pass (the engine is about to go idle, or waits): the workers report what changed
     # in this step's stats, as they may not take stats again for a while.
     flush_stats: bool = False

@@ -48,6 +48,11 @@ class NativeStats:
         stats = connector_cls.build_kv_connector_stats(data=payload[STATS_KEY])
         return cls(payload[CLASS_KEY], stats) if stats is not None else None
 
+    @staticmethod
+    def stats_data(payload: Any) -> dict[str, Any]:
+        """The child's stats as its own Prometheus metrics read them (its ``to_dict``), from a payload or object."""
+        return payload.stats.to_dict() if isinstance(payload, NativeStats) else payload[STATS_KEY]
+
     def add(self, other: NativeStats) -> None:
         """Add ``other``'s stats into these (the child's own ``aggregate``; ``other`` is not modified)."""
         self.stats = self.stats.aggregate(other.stats)

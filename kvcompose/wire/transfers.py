@@ -3,8 +3,9 @@
 A transfer is one load or save of a request's KV by one child, from the step
 that issues it to the moment the engine learns it is done, failed or aborted
 (see kvcompose.instrumentation.transfers). vLLM takes a process's table with
-the step's stats, merges the tables of the workers and the scheduler, and
-hands the sum to the front-end.
+the stats of the steps that report (kvcompose.instrumentation.scheduler),
+merges the tables of the workers and the scheduler, and hands the sum to the
+front-end.
 
 A table holds, per lane (one child and one direction):
 
