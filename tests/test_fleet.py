@@ -172,6 +172,26 @@ def test_merged_samples_pulled_over_http_equal_an_exact_lru_of_the_interleaved_s
     assert read(text, ("kvcompose_fleet_",)).total("kvcompose_fleet_targets", state="up") == 3
 
 
+def test_once_merges_after_every_pull_landed(endpoints: list[FleetEndpoint], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvcompose fleet --once`` with lateness_s 0: a merge between two pulls would take the first engine's
+    requests and put the second's after them as late, whatever their times."""
+    merger = FleetMerger(max_size_blocks=4096, lateness_s=0.0, half_life_s=None)
+    service = FleetService(merger, lambda: [url(endpoint) for endpoint in endpoints], timeout_s=10)
+    for index, request in enumerate(stream(300, seed=6)):
+        endpoints[index % 3].sampler.record(request)
+    engines_up_at_merge = []
+    merge = merger.merge
+
+    def counting_merge(now: float | None = None) -> int:
+        engines_up_at_merge.append(sum(state.up for state in merger.engines.values()))
+        return merge(now)
+
+    monkeypatch.setattr(merger, "merge", counting_merge)
+    service.run_once()
+    service.close()
+    assert engines_up_at_merge == [3] and merger.late_requests == 0
+
+
 def test_an_engine_that_stops_mid_run_is_counted_and_the_rest_keep_merging(endpoints: list[FleetEndpoint]) -> None:
     merger = FleetMerger(max_size_blocks=4096, lateness_s=0.0, half_life_s=None)
     service = FleetService(merger, lambda: [url(endpoint) for endpoint in endpoints], timeout_s=5)

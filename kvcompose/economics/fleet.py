@@ -122,6 +122,11 @@ class FleetService:
     def round(self, now: float | None = None) -> list[Any]:
         """Start a pull of every target that has none in flight, and merge what is old enough; returns the
         pulls started (futures)."""
+        started = self._start_pulls()
+        self.merge(now)
+        return started
+
+    def _start_pulls(self) -> list[Any]:
         self._refresh_targets()
         started = []
         for target in self._targets:
@@ -131,7 +136,6 @@ class FleetService:
                 self._in_flight.add(target)
                 cursor, instance = self.merger.cursor(target), self.merger.engine(target).instance
             started.append(self._pool.submit(self._pull, target, cursor, instance))
-        self.merge(now)
         return started
 
     def merge(self, now: float | None = None) -> None:
@@ -182,8 +186,10 @@ class FleetService:
                 _log.warning("fleet_pull_failed", target=target, reason=reason, detail=detail or key)
 
     def run_once(self) -> dict[str, Any]:
-        """Pull every target once (each within the timeout), merge everything, and return the figures."""
-        wait(self.round(), timeout=self.timeout_s * 2 + 1)
+        """Pull every target once (each within the timeout), merge everything, and return the figures. Nothing
+        is merged before every pull landed: with ``lateness_s`` 0 a merge between two pulls would put the second
+        engine's requests after the first's, whatever their times."""
+        wait(self._start_pulls(), timeout=self.timeout_s * 2 + 1)
         self.merge(math.inf)
         return self.summary()
 
