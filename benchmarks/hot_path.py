@@ -17,9 +17,9 @@ of a model of ``layers`` layers (bind, start_load_kv, per layer
 wait_for_layer_load and save_kv_layer, wait_for_save, get_finished, the load
 errors, the worker metadata, the stats, clear), the metadata built once by the
 subject's own scheduler side: a step between two reports, whose stats carry the
-children's own only (kvcompose's tables go out once a second, at one step in
-hundreds: their cost is end to end). ``request``: a request's scheduler-side life in
-the composite (lookup, allocation, finish).
+children's own only (kvcompose's tables go out at one step a second; their cost
+is measured end to end). ``request``: a request's scheduler-side life in the
+composite (lookup, allocation, finish).
 
 What a user feels is judged end to end (benchmarks.batch_scaling); these rows
 say where a step's or a request's extra microseconds go.
