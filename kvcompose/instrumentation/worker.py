@@ -66,7 +66,8 @@ class WorkerInstrumentation(Instrumentation):
 
     def step_bound(self, metadata: KVComposeMetadata) -> None:
         """The step's metadata is about to be bound: its transfers begin, and its calls join its trace."""
-        self._step, self._report_at_take, self._idle_at_take = metadata.step, metadata.report_stats, metadata.flush_stats
+        self._step, self._report_at_take, self._idle_at_take = (metadata.step, metadata.report_stats,
+                                                                metadata.flush_stats)
         self._bound_ns, self._computed = time_ns(), (metadata.prefill_tokens, metadata.decode_tokens)
         traced = self.tracer is not None and self.tracer.begin_step(metadata.traced_requests)
         contexts = self.tracer.step_contexts() if traced else {}  # type: ignore[union-attr]
@@ -152,8 +153,9 @@ class WorkerInstrumentation(Instrumentation):
 
     def take_due(self) -> tuple[bool, bool]:
         """As the scheduler said in the step's metadata: every worker of the engine sends its tables at the same
-        step, so a block that failed to load on several of them is merged into one count (kvcompose.wire.calls)."""
-        due, idle = self._report_at_take or self._idle_at_take, self._idle_at_take
+        step, so a block that failed to load on several of them is merged into one count (kvcompose.wire.calls).
+        The scheduler asks for the tables at every step without a forward pass too."""
+        due, idle = self._report_at_take, self._idle_at_take
         self._report_at_take = self._idle_at_take = False
         return due, idle
 
